@@ -53,7 +53,9 @@ def tiny_config(
     if family == "gemma3":
         from transformers import Gemma3TextConfig
 
-        common["tie_word_embeddings"] = True
+        # Untied on purpose (real Gemma 3 ties): with a tied head, the sqrt(H)-scaled input embedding
+        # dominates the tiny residual stream, so greedy decoding just repeats the last token forever.
+        common["tie_word_embeddings"] = False
         # Sliding window of 8 tokens so tests actually cross the window edge; every 2nd layer global.
         layer_types = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(num_layers)]
         return Gemma3TextConfig(
@@ -100,3 +102,51 @@ class TinyTokenizer:
 
     def __len__(self) -> int:
         return self.vocab_size
+
+
+# A small ChatML-like template with role markers; the `generation` variant marks replies for
+# `return_assistant_tokens_mask`. Real templates (Llama 3, Qwen) have the same shape.
+TINY_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+TINY_CHAT_TEMPLATE_GENERATION = (
+    "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'assistant' %}<|assistant|>"
+    "{% generation %}{{ m['content'] }}<|end|>{% endgeneration %}{{ '\\n' }}"
+    "{% else %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+TINY_SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>")
+
+
+def tiny_tokenizer(with_template: bool, *, generation: bool = False):
+    """A real byte-level `PreTrainedTokenizerFast` built in code: one token per UTF-8 byte.
+
+    Ids 0..6 are the special tokens in TINY_SPECIAL_TOKENS (pad, bos, eos, role markers, end of
+    turn), 7..262 the 256 bytes (vocab 263; Gemma 3 has 262144). Decoding is lossless, so tests can
+    compare decoded masked tokens with the assistant text character for character.
+
+    Args:
+        with_template: attach TINY_CHAT_TEMPLATE (else the tokenizer has no chat template).
+        generation: use the `{% generation %}`-marked variant of the template.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers.pre_tokenizers import ByteLevel
+    from transformers import PreTrainedTokenizerFast
+
+    byte_chars = sorted(ByteLevel.alphabet())
+    vocab = {tok: i for i, tok in enumerate(TINY_SPECIAL_TOKENS)}
+    vocab.update({ch: len(TINY_SPECIAL_TOKENS) + i for i, ch in enumerate(byte_chars)})
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        bos_token="<bos>",
+        eos_token="<eos>",
+        pad_token="<pad>",
+        additional_special_tokens=list(TINY_SPECIAL_TOKENS[3:]),
+    )
+    if with_template:
+        tok.chat_template = TINY_CHAT_TEMPLATE_GENERATION if generation else TINY_CHAT_TEMPLATE
+    return tok
