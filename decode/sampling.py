@@ -1,0 +1,199 @@
+"""Logit processing and the randomness used by verification.
+
+What it does:
+  * ``process_logits``: temperature, top-k and top-p applied to logits, returning float32
+    probabilities. Target and draft MUST go through this same function with the same settings;
+    a mismatch silently breaks losslessness (transformers #47932).
+  * ``check_logits``: the one place that rejects NaN / +inf logits with a clear error.
+  * Random draws for verification: float64 uniforms (float32 ``rand`` can return exactly 0) and
+    Exp(1) noise for the exponential race ``argmax(r / E)``, which samples from an unnormalised
+    distribution ``r``. Draws come either from a ``torch.Generator`` or from a counter-based hash
+    keyed by (seed, absolute position, counter, stream), which makes outputs independent of batch
+    composition.
+
+What it deliberately does not do: repetition penalties, min-p, logit bias, grammar masks. Those
+belong to the caller and must be applied identically to target and draft before this module.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "check_logits",
+    "process_logits",
+    "uniforms_from_generator",
+    "exponentials_from_generator",
+    "counter_uniform",
+    "counter_exponential",
+    "exponential_race",
+    "STREAM_ACCEPT",
+    "STREAM_EMIT",
+]
+
+# Streams of the counter-based RNG: one for accept tests, one for emitted tokens.
+STREAM_ACCEPT = 0x243F6A88
+STREAM_EMIT = 0x85A308D3
+
+_M32 = 0xFFFFFFFF
+_TINY = torch.finfo(torch.float32).tiny
+
+
+def check_logits(logits: Tensor, name: str = "logits") -> None:
+    """Raises ValueError on NaN or +inf logits, or on a row with no finite entry.
+
+    ``-inf`` is allowed: it is how callers mask tokens (reduced draft vocab, bad words).
+
+    Args:
+        logits: [..., V] logits.
+        name: the name used in the error message.
+    """
+    if logits.is_floating_point():
+        bad = torch.isnan(logits) | (logits == float("inf"))
+        if bool(bad.any()):
+            n = int(bad.sum())
+            raise ValueError(f"{name} contain {n} NaN or +inf value(s); the target or drafter diverged")
+        if bool((logits == float("-inf")).all(dim=-1).any()):
+            raise ValueError(f"{name} have a row where every token is -inf (masked out)")
+
+
+def process_logits(logits: Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0,
+                   *, check: bool = True) -> Tensor:
+    """Turns logits into the sampling distribution: temperature, then top-k, then top-p.
+
+    Args:
+        logits: [..., V] logits in any float dtype.
+        temperature: 0 means greedy (a one-hot at the argmax, lowest index on ties).
+        top_k: keep the k largest logits (0 = off). Ties with the k-th value are all kept, so
+            the result never depends on the order of equal logits.
+        top_p: keep the smallest set of most probable tokens whose mass reaches ``top_p``
+            (1.0 = off). The most probable token is always kept.
+        check: validate the logits with ``check_logits`` (one host sync).
+
+    Returns:
+        [..., V] float32 probabilities summing to 1 on the last axis.
+    """
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if top_k < 0:
+        raise ValueError(f"top_k must be >= 0, got {top_k}")
+    if not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    if check:
+        check_logits(logits)
+    x = logits.float()  # [..., V]
+    if temperature == 0:
+        idx = x.argmax(dim=-1, keepdim=True)  # first maximum = lowest index
+        return torch.zeros_like(x).scatter_(-1, idx, 1.0)
+    x = x / temperature
+    if 0 < top_k < x.shape[-1]:
+        kth = x.topk(top_k, dim=-1).values[..., -1:]  # [..., 1]
+        x = x.masked_fill(x < kth, float("-inf"))
+    probs = torch.softmax(x, dim=-1)
+    if top_p < 1.0:
+        sorted_p, order = probs.sort(dim=-1, descending=True, stable=True)
+        # drop a token when the mass strictly before it already reaches top_p
+        drop = (sorted_p.cumsum(dim=-1) - sorted_p) >= top_p
+        drop[..., 0] = False
+        sorted_p = sorted_p.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    return probs
+
+
+# ---------------------------------------------------------------------------------------------
+# Random draws
+# ---------------------------------------------------------------------------------------------
+
+
+def uniforms_from_generator(shape: tuple[int, ...], device: torch.device,
+                            generator: torch.Generator | None) -> Tensor:
+    """float64 uniforms in [0, 1) from a torch generator (or the global RNG)."""
+    return torch.rand(shape, dtype=torch.float64, device=device, generator=generator)
+
+
+def exponentials_from_generator(shape: tuple[int, ...], device: torch.device,
+                                generator: torch.Generator | None) -> Tensor:
+    """float32 Exp(1) draws, built from float64 uniforms, clamped away from 0."""
+    u = torch.rand(shape, dtype=torch.float64, device=device, generator=generator)
+    return _uniform_to_exponential(u)
+
+
+def _uniform_to_exponential(u: Tensor) -> Tensor:
+    # u in [0, 1) -> 1 - u in (0, 1] -> -log(1 - u) in [0, inf); 0 would make r / E blow up
+    return (-torch.log1p(-u)).float().clamp_min_(_TINY)
+
+
+def _mul32(x: Tensor, c: int) -> Tensor:
+    # (x * c) mod 2^32 for x in [0, 2^32) held in int64, without signed overflow:
+    # split x into 16-bit halves so every product stays below 2^49.
+    return ((((x >> 16) * c) & _M32) << 16) + (x & 0xFFFF) * c & _M32
+
+
+def _hash32(x: Tensor) -> Tensor:
+    # A 32-bit integer finaliser (xorshift-multiply rounds); x in [0, 2^32) as int64.
+    x = x ^ (x >> 17)
+    x = _mul32(x, 0xED5AD4BB)
+    x = x ^ (x >> 11)
+    x = _mul32(x, 0xAC4C1B51)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x31848BAB)
+    return x ^ (x >> 14)
+
+
+def _row_key(seed: int | Tensor, position: Tensor, stream: int) -> Tensor:
+    """32-bit key per (seed, position, stream); ``position`` is an int64 tensor of any shape."""
+    pos = position.long()
+    if isinstance(seed, Tensor):
+        s = seed.long().to(pos.device).reshape(seed.shape + (1,) * (pos.dim() - seed.dim()))
+    else:
+        s = torch.tensor(int(seed), dtype=torch.long, device=pos.device)
+    k = _hash32(torch.full_like(pos, stream & _M32))
+    k = _hash32(k ^ (s & _M32))
+    k = _hash32(k ^ ((s >> 32) & _M32))
+    k = _hash32(k ^ (pos & _M32))
+    return _hash32(k ^ ((pos >> 32) & _M32))
+
+
+def counter_uniform(seed: int | Tensor, position: Tensor, counter: Tensor, stream: int) -> Tensor:
+    """Counter-based float64 uniforms in [0, 1), a pure function of their keys.
+
+    Args:
+        seed: an int, or a [B] tensor of per-row seeds (then ``position`` is [B, ...]).
+        position: int64 tensor of absolute token positions, broadcastable against ``counter``.
+        counter: int64 tensor (node index, vocab index), broadcastable against ``position``.
+        stream: ``STREAM_ACCEPT`` or ``STREAM_EMIT``.
+
+    Returns:
+        float64 tensor of the broadcast shape, values k / 2^53.
+    """
+    key = _row_key(seed, position, stream)
+    c = counter.long().to(key.device)
+    h1 = _hash32(_hash32(key ^ (c & _M32)) ^ key)
+    h2 = _hash32(h1 ^ 0x9E3779B9)
+    bits = (h1 << 21) | (h2 >> 11)  # 53 random bits
+    return bits.double() * (2.0 ** -53)
+
+
+def counter_exponential(seed: int | Tensor, position: Tensor, vocab_size: int) -> Tensor:
+    """[..., V] float32 Exp(1) draws keyed by (seed, position, vocab index) on the emit stream."""
+    v = torch.arange(vocab_size, device=position.device)
+    u = counter_uniform(seed, position.unsqueeze(-1), v, STREAM_EMIT)
+    return _uniform_to_exponential(u)
+
+
+def exponential_race(weights: Tensor, exponentials: Tensor) -> Tensor:
+    """Samples index i with probability weights[i] / sum(weights), without normalising.
+
+    ``argmax(w / E)`` with E ~ Exp(1) i.i.d.: w_i / E_i are independent Exp(rate w_i) inverses,
+    and the largest is index i with probability w_i / sum(w). Ties go to the lowest index.
+
+    Args:
+        weights: [..., V] non-negative float32 weights (not all zero).
+        exponentials: [..., V] float32 Exp(1) draws.
+
+    Returns:
+        [...] long indices.
+    """
+    return (weights / exponentials).argmax(dim=-1)

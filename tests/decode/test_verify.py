@@ -1,0 +1,388 @@
+"""Verification: greedy and sampled tree walks against brute force, edge cases, RNG, logit processing.
+
+Statistical (distribution-level) checks live in test_verify_stats.py; kernel parity in test_kernels.py.
+Trees here are tiny (N <= 9, V <= 11); real trees are ~60 nodes over a 256k vocab.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from drafttrain.decode.sampling import (
+    STREAM_ACCEPT,
+    STREAM_EMIT,
+    counter_exponential,
+    counter_uniform,
+    exponentials_from_generator,
+    process_logits,
+)
+from drafttrain.decode.verify import (
+    _verify_chain_kernel,
+    chain_parents,
+    verify_chain,
+    verify_greedy_ref,
+    verify_sampled_ref,
+    verify_tree,
+)
+
+# ---------------------------------------------------------------------------------------------
+# brute-force references (per row, plain Python)
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    # tiny tensors: intra-op threads only contend on a shared 2-core box
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def brute_greedy(logits, tokens, parents):
+    """Per row: walk from the root following the first child equal to the argmax."""
+    out = []
+    for b in range(tokens.shape[0]):
+        cur, path = 0, []
+        while True:
+            t = int(logits[b, cur].argmax())
+            kids = [c for c in range(1, tokens.shape[1]) if int(parents[b, c]) == cur and int(tokens[b, c]) == t]
+            if not kids:
+                out.append((path, t, cur))
+                break
+            cur = kids[0]
+            path.append(cur)
+    return out
+
+
+def brute_sampled(probs, tokens, parents, q, u, e):
+    """Per row: SpecInfer multi-candidate walk with the same draws (same float arithmetic)."""
+    out = []
+    for b in range(tokens.shape[0]):
+        cur, path = 0, []
+        r, s = probs[b, 0].clone(), 1.0
+        while True:
+            kids = [c for c in range(1, tokens.shape[1]) if int(parents[b, c]) == cur]
+            moved = False
+            for c in kids:
+                x = int(tokens[b, c])
+                q_vec = None if q is None else q[b, cur].float()
+                q_x = 1.0 if q is None else float(q_vec[x])
+                if q_x > 0 and float(u[b, c]) * q_x * s < float(r[x]):
+                    cur, r, s, moved = c, probs[b, c].clone(), 1.0, True
+                    path.append(c)
+                    break
+                if q is None:
+                    r = r.clone()
+                    r[x] = 0.0
+                else:
+                    r = (r - torch.tensor(s, dtype=torch.float32) * q_vec).clamp_min(0.0)
+                s = float(r.sum(dtype=torch.float64))
+                if s <= 0:
+                    r, s = probs[b, cur].clone(), 1.0
+            if not moved:
+                out.append((path, int((r / e[b]).argmax()), cur))
+                break
+    return out
+
+
+def as_rows(res):
+    rows = []
+    for b in range(res.num_accepted.shape[0]):
+        n = int(res.num_accepted[b])
+        assert (res.accepted[b, n:] == -1).all()
+        rows.append((res.accepted[b, :n].tolist(), int(res.next_token[b]), int(res.last_node[b])))
+    return rows
+
+
+@st.composite
+def trees(draw, max_nodes=9, vocab=6):
+    """Random small trees (with padding nodes) and a seed for the tensors."""
+    n = draw(st.integers(1, max_nodes))
+    parents = [-1]
+    for i in range(1, n):
+        parents.append(draw(st.one_of(st.integers(0, i - 1), st.just(-2))) if i > 1 else 0)
+    batch_seed = draw(st.integers(0, 2**31 - 1))
+    return torch.tensor(parents), batch_seed, vocab
+
+
+def _tensors(parents, seed, vocab, batch=3, peaked=True):
+    g = torch.Generator().manual_seed(seed)
+    N = parents.shape[0]
+    # a few strongly peaked rows make long accepted paths likely
+    logits = torch.randn(batch, N, vocab, generator=g) * (4.0 if peaked else 1.0)
+    tokens = torch.randint(0, vocab, (batch, N), generator=g)
+    # bias drafts towards the target's argmax at the parent so paths get long
+    tokens[:, 1:] = torch.where(torch.rand(batch, N - 1, generator=g) < 0.6,
+                                logits[:, :, :].argmax(-1).gather(1, parents[1:].clamp_min(0).expand(batch, -1)),
+                                tokens[:, 1:])
+    return logits, tokens, parents.expand(batch, N).clone(), g
+
+
+# ---------------------------------------------------------------------------------------------
+# greedy
+# ---------------------------------------------------------------------------------------------
+
+
+def _onehot_logits(targets, V=8):
+    """[B, N] target argmax ids -> [B, N, V] logits with that argmax."""
+    return torch.nn.functional.one_hot(torch.tensor(targets), V).float() * 5.0
+
+
+def test_greedy_chain_full_partial_none():
+    # target argmax after root, d1, d2, d3: 3, 4, 5, 6
+    logits = _onehot_logits([[3, 4, 5, 6]] * 3)
+    drafts = torch.tensor([[3, 4, 5], [3, 0, 5], [1, 4, 5]])
+    res = verify_chain(logits, drafts)
+    assert res.num_accepted.tolist() == [3, 1, 0]
+    assert res.next_token.tolist() == [6, 4, 3]  # bonus, recovered, recovered
+    assert res.last_node.tolist() == [3, 1, 0]
+    assert res.accepted.tolist() == [[1, 2, 3], [1, -1, -1], [-1, -1, -1]]
+
+
+def test_greedy_tree_sibling_hit_and_padding():
+    #        0
+    #      / | \
+    #     1  2  3(pad)
+    #     |  |
+    #     4  5
+    parents = torch.tensor([[-1, 0, 0, -2, 1, 2]])
+    tokens = torch.tensor([[9, 1, 2, 2, 7, 6]])
+    # target: after root -> 2 (the second sibling), after node 2 -> 6, after node 5 -> 3
+    top = [[2, 0, 6, 0, 0, 3]]
+    res = verify_tree(_onehot_logits(top), tokens, parents)
+    assert res.accepted[0].tolist() == [2, 5, -1, -1, -1]
+    assert res.num_accepted.tolist() == [2]
+    assert res.next_token.tolist() == [3]
+    assert res.last_node.tolist() == [5]
+
+
+def test_greedy_duplicate_siblings_take_first():
+    parents = torch.tensor([[-1, 0, 0, 2]])
+    tokens = torch.tensor([[0, 4, 4, 1]])
+    res = verify_tree(_onehot_logits([[4, 5, 1, 2]]), tokens, parents)
+    assert res.accepted[0].tolist() == [1, -1, -1]  # node 1 wins; node 3 under node 2 is unreachable
+    assert res.next_token.tolist() == [5]
+
+
+def test_greedy_ties_take_lowest_token():
+    logits = torch.zeros(1, 2, 5)
+    logits[0, 0, [1, 3]] = 2.0
+    res = verify_chain(logits, torch.tensor([[3]]))
+    assert res.num_accepted.tolist() == [0] and res.next_token.tolist() == [1]
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(trees())
+def test_greedy_tree_matches_brute_force(tree):
+    parents, seed, V = tree
+    logits, tokens, parents, _ = _tensors(parents, seed, V)
+    res = verify_greedy_ref(logits, tokens, parents)
+    assert as_rows(res) == brute_greedy(logits, tokens, parents)
+
+
+# ---------------------------------------------------------------------------------------------
+# sampled
+# ---------------------------------------------------------------------------------------------
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(trees(), st.booleans())
+def test_sampled_tree_matches_brute_force(tree, with_q):
+    parents, seed, V = tree
+    logits, tokens, parents, g = _tensors(parents, seed, V, peaked=False)
+    B, N = tokens.shape
+    probs = process_logits(logits, 0.9)
+    q = process_logits(torch.randn(B, N, V, generator=g), 1.0) if with_q else None
+    u = torch.rand(B, N, dtype=torch.float64, generator=g)
+    e = exponentials_from_generator((B, V), torch.device("cpu"), g)
+    res = verify_sampled_ref(probs, tokens, parents, q, u, e)
+    assert as_rows(res) == brute_sampled(probs, tokens, parents, q, u, e)
+
+
+@pytest.mark.parametrize("with_q", [True, False])
+def test_sampled_wide_tree_matches_brute_force(with_q):
+    """Five siblings under the root over 4 tokens: repeated rejections exercise the residual update."""
+    parents = torch.tensor([-1, 0, 0, 0, 0, 0, 1, 3])
+    logits, tokens, parents, g = _tensors(parents, 0, 4, batch=300, peaked=False)
+    B, N = tokens.shape
+    probs = process_logits(logits, 1.0)
+    q = process_logits(torch.randn(B, N, 4, generator=g) * 2, 1.0) if with_q else None
+    u = torch.rand(B, N, dtype=torch.float64, generator=g)
+    e = exponentials_from_generator((B, 4), torch.device("cpu"), g)
+    res = verify_sampled_ref(probs, tokens, parents, q, u, e)
+    assert as_rows(res) == brute_sampled(probs, tokens, parents, q, u, e)
+    assert (res.num_accepted == 0).any() and (res.num_accepted == 2).any()
+
+
+@pytest.mark.parametrize("with_q", [True, False])
+def test_chain_tree_walk_equals_parallel_chain_path(with_q):
+    """The tree walk and the all-positions chain path (the Triton route) agree draw for draw."""
+    g = torch.Generator().manual_seed(1)
+    B, gamma, V = 64, 4, 11
+    logits = torch.randn(B, gamma + 1, V, generator=g) * 2
+    q = process_logits(torch.randn(B, gamma, V, generator=g), 1.0) if with_q else None
+    drafts = torch.randint(0, V, (B, gamma), generator=g)
+    kw = dict(temperature=0.8, seed=7, positions=torch.arange(B) * 3)
+    walk = verify_chain(logits, drafts, q, impl="ref", **kw)
+    # same draws as verify_tree makes: keyed by (seed, root position)
+    u = counter_uniform(7, kw["positions"][:, None], torch.arange(gamma + 1)[None, :], STREAM_ACCEPT)
+    e = counter_exponential(7, kw["positions"], V)
+    par = _verify_chain_kernel(logits, drafts, q, 0.8, u, e, impl="ref")
+    for f in ("accepted", "num_accepted", "next_token", "last_node"):
+        assert torch.equal(getattr(walk, f), getattr(par, f)), f
+    assert 0 < int(walk.num_accepted.sum()) < B * gamma  # both accepts and rejections happened
+
+
+def test_seeded_rows_do_not_depend_on_batch():
+    g = torch.Generator().manual_seed(3)
+    B, N, V = 6, 5, 9
+    logits = torch.randn(B, N, V, generator=g)
+    parents = torch.tensor([-1, 0, 0, 1, 2]).expand(B, N)
+    tokens = torch.randint(0, V, (B, N), generator=g)
+    q = process_logits(torch.randn(B, N, V, generator=g), 1.0)
+    pos = torch.tensor([10, 20, 30, 40, 50, 60])
+    seeds = torch.tensor([1, 2, 3, 4, 5, 6])
+    full = verify_tree(logits, tokens, parents, q, temperature=1.0, seed=seeds, positions=pos)
+    for b in (0, 4):
+        one = verify_tree(logits[b:b + 1], tokens[b:b + 1], parents[b:b + 1], q[b:b + 1], temperature=1.0,
+                          seed=seeds[b:b + 1], positions=pos[b:b + 1])
+        assert one.next_token.item() == full.next_token[b].item()
+        assert torch.equal(one.accepted[0], full.accepted[b])
+    # and the seed matters: different seeds change some outcome across many rows
+    other = verify_tree(logits, tokens, parents, q, temperature=1.0, seed=seeds + 100, positions=pos)
+    assert not torch.equal(other.next_token, full.next_token) or not torch.equal(other.accepted, full.accepted)
+
+
+def test_generator_reproducible():
+    logits = torch.randn(8, 4, 7)
+    drafts = torch.randint(0, 7, (8, 3))
+    a = verify_chain(logits, drafts, temperature=1.0, generator=torch.Generator().manual_seed(5))
+    b = verify_chain(logits, drafts, temperature=1.0, generator=torch.Generator().manual_seed(5))
+    assert torch.equal(a.next_token, b.next_token) and torch.equal(a.accepted, b.accepted)
+
+
+# ---------------------------------------------------------------------------------------------
+# edge cases
+# ---------------------------------------------------------------------------------------------
+
+
+def _probs(*rows):
+    return torch.tensor(rows, dtype=torch.float32)
+
+
+def test_q_zero_at_drafted_token_rejects_even_with_u_zero():
+    p = _probs([0.5, 0.5, 0.0], [0.2, 0.3, 0.5])[None]  # [1, 2, 3]
+    q = _probs([1.0, 0.0, 0.0], [1 / 3] * 3)[None]  # the proposer claims q(x=1) = 0
+    res = verify_sampled_ref(p, torch.tensor([[0, 1]]), chain_parents(1, 1), q,
+                             torch.zeros(1, 2, dtype=torch.float64), torch.ones(1, 3))
+    assert res.num_accepted.item() == 0
+    assert res.next_token.item() == 1  # residual max(p - q, 0) = (0, 0.5, 0)
+
+
+def test_u_zero_never_accepts_a_token_the_target_excludes():
+    p = _probs([0.0, 1.0, 0.0], [1 / 3] * 3)[None]
+    for q in (None, _probs([0.5, 0.5, 0.0], [1 / 3] * 3)[None]):
+        res = verify_sampled_ref(p, torch.tensor([[0, 0]]), chain_parents(1, 1), q,
+                                 torch.zeros(1, 2, dtype=torch.float64), torch.ones(1, 3))
+        assert res.num_accepted.item() == 0 and res.next_token.item() == 1
+
+
+def test_p_equal_q_always_accepts():
+    g = torch.Generator().manual_seed(0)
+    B, gamma, V = 2000, 3, 6
+    logits = torch.randn(B, gamma + 1, V, generator=g)
+    q = process_logits(logits[:, :gamma], 1.0)
+    drafts = torch.multinomial(q.reshape(-1, V), 1, generator=g).reshape(B, gamma)
+    res = verify_chain(logits, drafts, q, temperature=1.0, generator=g)
+    assert (res.num_accepted == gamma).all()
+
+
+def test_one_hot_target():
+    # p is one-hot at 2 everywhere: drafts of 2 always pass, anything else always fails
+    logits = torch.full((4, 3, 5), float("-inf"))
+    logits[..., 2] = 0.0
+    drafts = torch.tensor([[2, 2], [2, 1], [0, 2], [2, 2]])
+    q = torch.full((4, 2, 5), 0.2)
+    res = verify_chain(logits, drafts, q, temperature=1.0, generator=torch.Generator().manual_seed(0))
+    assert res.num_accepted.tolist() == [2, 1, 0, 2]
+    assert (res.next_token == 2).all()
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_nan_inf_logits_raise(bad):
+    logits = torch.randn(2, 3, 5)
+    logits[1, 2, 3] = bad
+    for t in (0.0, 1.0):
+        with pytest.raises(ValueError, match="NaN or \\+inf"):
+            verify_chain(logits, torch.zeros(2, 2, dtype=torch.long), temperature=t)
+
+
+def test_all_masked_row_raises_but_masking_is_allowed():
+    logits = torch.randn(1, 2, 5)
+    logits[0, 0, :2] = float("-inf")  # masking part of the vocab is fine
+    verify_chain(logits, torch.tensor([[3]]), temperature=1.0)
+    logits[0, 1] = float("-inf")
+    with pytest.raises(ValueError, match="every token is -inf"):
+        verify_chain(logits, torch.tensor([[3]]), temperature=1.0)
+
+
+def test_malformed_inputs_raise():
+    logits = torch.randn(1, 3, 5)
+    with pytest.raises(ValueError, match="parents"):
+        verify_tree(logits, torch.zeros(1, 3, dtype=torch.long), torch.tensor([[-1, 0, 2]]))
+    with pytest.raises(ValueError, match="draft tokens"):
+        verify_tree(logits, torch.tensor([[0, 7, 0]]), torch.tensor([[-1, 0, 1]]))
+    with pytest.raises(ValueError, match="positions"):
+        verify_tree(logits, torch.zeros(1, 3, dtype=torch.long), torch.tensor([[-1, 0, 1]]),
+                    temperature=1.0, seed=1)
+    with pytest.raises(ValueError, match="impl"):
+        verify_chain(logits, torch.zeros(1, 2, dtype=torch.long), temperature=1.0, impl="cuda")
+
+
+def test_typical_acceptance_is_a_threshold():
+    # p after root: 0.9 on token 0 -> low entropy -> threshold min(0.09, 0.3 e^-H) well below 0.9
+    logits = torch.log(torch.tensor([[[0.9, 0.05, 0.05], [1 / 3, 1 / 3, 1 / 3]]]))
+    acc = verify_chain(logits, torch.tensor([[0]]), temperature=1.0, typical=(0.09, 0.3))
+    rej = verify_chain(logits, torch.tensor([[1]]), temperature=1.0, typical=(0.09, 0.3))
+    assert acc.num_accepted.item() == 1 and rej.num_accepted.item() == 0
+    assert "LOSSY" in verify_tree.__doc__
+
+
+# ---------------------------------------------------------------------------------------------
+# logit processing and RNG
+# ---------------------------------------------------------------------------------------------
+
+
+def test_process_logits_rules():
+    logits = torch.tensor([[1.0, 3.0, 3.0, 0.0, 2.0]])
+    assert process_logits(logits, 0.0).tolist() == [[0.0, 1.0, 0.0, 0.0, 0.0]]  # greedy, lowest tie
+    k2 = process_logits(logits, 1.0, top_k=2)
+    assert (k2[0, [0, 3, 4]] == 0).all() and torch.allclose(k2[0, 1], k2[0, 2])
+    k3 = process_logits(logits, 1.0, top_k=3)  # keeps exactly the three largest
+    assert (k3[0] > 0).tolist() == [False, True, True, False, True]
+    full = process_logits(logits, 1.0)
+    p = process_logits(logits, 1.0, top_p=0.6)  # the two tied 3.0 tokens hold ~0.61
+    assert (p[0] > 0).tolist() == [False, True, True, False, False]
+    assert torch.allclose(p.sum(-1), torch.ones(1))
+    tiny = process_logits(logits, 1.0, top_p=1e-6)  # always keeps the top token
+    assert tiny[0].tolist() == [0.0, 1.0, 0.0, 0.0, 0.0]
+    hot = process_logits(logits, 0.5)
+    assert hot[0, 1] > full[0, 1] and hot.dtype == torch.float32
+
+
+def test_counter_uniform_is_a_pure_uniform_function():
+    pos = torch.arange(200)[:, None]
+    cnt = torch.arange(500)[None, :]
+    u = counter_uniform(11, pos, cnt, STREAM_ACCEPT)
+    assert u.dtype == torch.float64 and ((u >= 0) & (u < 1)).all()
+    assert torch.equal(u, counter_uniform(11, pos, cnt, STREAM_ACCEPT))
+    assert abs(u.mean().item() - 0.5) < 0.005 and abs(u.var().item() - 1 / 12) < 0.002
+    hist = torch.histc(u.float(), bins=10, min=0, max=1)
+    assert (hist - 1e4).abs().max() < 6 * 95  # 1e5 draws in 10 bins, sd ~ 95
+    other = counter_uniform(11, pos, cnt, STREAM_EMIT)
+    assert abs(torch.corrcoef(torch.stack([u.flatten(), other.flatten()]))[0, 1].item()) < 0.02
+    assert (u != counter_uniform(12, pos, cnt, STREAM_ACCEPT)).float().mean() > 0.99
