@@ -1,0 +1,135 @@
+"""The `drafttrain` command: `train`, `prepare` (offline features) and, as they land, `eval`,
+`export`.
+
+Arguments are `key=value` pairs (see `drafttrain train --help`). Anything a user can get wrong
+ends in one line `drafttrain: error: ...` and a non-zero exit, never a traceback; set
+DRAFTTRAIN_DEBUG=1 to see the traceback anyway.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+USAGE = """usage: drafttrain COMMAND [key=value ...]
+
+commands:
+  train     train a drafter            (drafttrain train recipe=eagle train.max_steps=100)
+  prepare   cache target features      (drafttrain prepare recipe=eagle features.mode=offline)
+  recipes   list the shipped recipes
+
+Every command takes --help. `accelerate launch drafttrain/train.py recipe=eagle ...` is the same
+as `drafttrain train` under Accelerate.
+"""
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    from drafttrain.config import ConfigError
+    from drafttrain.data import DataError
+    from drafttrain.drafter_io import DrafterMismatchError
+    from drafttrain.targets import TargetError
+    from drafttrain.trainer import TrainingError
+
+    return (ConfigError, DataError, TargetError, DrafterMismatchError, TrainingError, FileNotFoundError)
+
+
+def run_guarded(fn, *args) -> int:
+    """Run fn; user errors become one line on stderr and exit code 2 (1 for runtime failures)."""
+    try:
+        fn(*args)
+        return 0
+    except _user_errors() as e:
+        if os.environ.get("DRAFTTRAIN_DEBUG"):
+            raise
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        print(f"drafttrain: error: {msg}", file=sys.stderr)
+        return 2
+    except MemoryError:
+        print("drafttrain: error: out of memory; lower train.batch_size or data.max_len", file=sys.stderr)
+        return 1
+    except OSError as e:
+        if os.environ.get("DRAFTTRAIN_DEBUG"):
+            raise
+        if e.errno == 28:
+            print(f"drafttrain: error: disk full while writing {e.filename or ''}; free space or change output_dir",
+                  file=sys.stderr)
+        else:
+            print(f"drafttrain: error: {e}", file=sys.stderr)
+        return 1
+    except torch_oom() as e:
+        print(f"drafttrain: error: out of memory ({str(e).splitlines()[0]}); lower train.batch_size or data.max_len",
+              file=sys.stderr)
+        return 1
+
+
+def torch_oom():
+    import torch
+
+    return getattr(torch, "OutOfMemoryError", MemoryError)
+
+
+def _train_help() -> str:
+    from drafttrain.config import format_help
+    from drafttrain.schema import TrainConfig
+
+    return format_help(TrainConfig, "usage: drafttrain train recipe=NAME [key=value ...]\n\nkeys (default, meaning):")
+
+
+def cmd_train(argv: list[str]) -> None:
+    from drafttrain.config import dump_yaml, parse_args
+    from drafttrain.schema import TrainConfig
+    from drafttrain.trainer import format_summary, train
+
+    cfg = parse_args(argv, TrainConfig)
+    if cfg.print_config:
+        print(dump_yaml(cfg), end="")
+        return
+    summary = train(cfg)
+    if "stopped_at" not in summary:
+        print(format_summary(summary))
+
+
+def cmd_prepare(argv: list[str]) -> None:
+    from drafttrain.config import parse_args
+    from drafttrain.prepare import prepare
+    from drafttrain.schema import TrainConfig
+
+    prepare(parse_args(argv, TrainConfig))
+
+
+def cmd_recipes(argv: list[str]) -> None:
+    from drafttrain.config import RECIPES_DIR
+
+    for p in sorted(RECIPES_DIR.glob("*.yaml")):
+        first = next((ln[1:].strip() for ln in p.read_text().splitlines() if ln.startswith("#")), "")
+        print(f"  {p.stem:<12} {first}")
+
+
+COMMANDS = {"train": cmd_train, "prepare": cmd_prepare, "recipes": cmd_recipes}
+HELP = {"train": _train_help, "prepare": lambda: "usage: drafttrain prepare recipe=NAME [key=value ...]\n\n"
+        "Computes the target features the recipe needs for every training record and writes them to\n"
+        "features.cache_dir (default <output_dir>/features) in bf16 shards. Resumable: a killed run\n"
+        "continues at the first missing shard. Then train with features.mode=offline.\n\n" + _train_help()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(USAGE)
+        return 0
+    cmd, rest = argv[0], argv[1:]
+    if cmd not in COMMANDS:
+        import difflib
+
+        close = difflib.get_close_matches(cmd, list(COMMANDS), n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        print(f"drafttrain: error: unknown command {cmd!r}{hint} (commands: {', '.join(COMMANDS)})", file=sys.stderr)
+        return 2
+    if any(a in ("-h", "--help") for a in rest):
+        print(HELP.get(cmd, lambda: USAGE)())
+        return 0
+    return run_guarded(COMMANDS[cmd], rest)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,146 @@
+"""The drafter folder: config.json + model.safetensors + README.md, written atomically.
+
+config.json holds the method, the target (spec, source, revision or file hash, hidden size,
+vocab size, layer count, model type), the tokenizer hash, aux layer ids, draft vocab size and
+coverage, the drafter's shape (`drafter`), the resolved training config and the final metrics.
+Loading checks the target against it and says what differs.
+
+What it does not do: engine formats (vLLM, SGLang) and the Hub; those live in export code.
+Weights are safetensors only; nothing here unpickles.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+FORMAT_VERSION = 1
+
+
+class DrafterMismatchError(ValueError):
+    """The drafter was trained for a different target; the message says what differs."""
+
+
+def target_signature(target) -> dict:
+    cfg = getattr(target.config, "text_config", None) or target.config
+    info = getattr(target, "drafttrain_info", None)
+    return {
+        "spec": getattr(info, "spec", "") or getattr(target.config, "_name_or_path", ""),
+        "source": getattr(info, "source", ""),
+        "revision": getattr(info, "revision", ""),
+        "model_type": getattr(cfg, "model_type", ""),
+        "hidden_size": cfg.hidden_size,
+        "vocab_size": cfg.vocab_size,
+        "num_hidden_layers": cfg.num_hidden_layers,
+    }
+
+
+def read_drafter_config(folder: str | Path) -> dict:
+    folder = Path(folder)
+    path = folder / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{folder} is not a drafter folder (no config.json)")
+    meta = json.loads(path.read_text())
+    if "drafttrain" not in meta:
+        raise ValueError(f"{folder}/config.json was not written by drafttrain (no 'drafttrain' block)")
+    return meta
+
+
+def check_target_match(meta: dict, target, folder: str | Path = "", tokenizer=None) -> None:
+    """Raise DrafterMismatchError naming every field that differs between drafter and target."""
+    want = meta.get("target", {})
+    have = target_signature(target)
+    diffs = [f"{k} {want[k]} vs {have[k]}" for k in ("hidden_size", "vocab_size", "num_hidden_layers")
+             if k in want and want[k] != have[k]]
+    if tokenizer is not None and meta.get("tokenizer_hash"):
+        from drafttrain.data import tokenizer_hash
+
+        if tokenizer_hash(tokenizer) != meta["tokenizer_hash"]:
+            diffs.append("tokenizer hash differs")
+    if diffs:
+        raise DrafterMismatchError(
+            f"drafter {folder} was trained for target {want.get('spec', '?')!r}; this target differs: "
+            + ", ".join(diffs) + " (drafter vs target). Use the target it was trained for."
+        )
+
+
+def atomic_dir(final: str | Path):
+    """Context manager: yields a temp folder beside `final`; on success it replaces `final`."""
+
+    class _Ctx:
+        def __enter__(self):
+            self.final = Path(final)
+            self.final.parent.mkdir(parents=True, exist_ok=True)
+            self.tmp = Path(tempfile.mkdtemp(prefix=f".{self.final.name}.tmp-", dir=self.final.parent))
+            return self.tmp
+
+        def __exit__(self, exc_type, exc, tb):
+            if exc_type is not None:
+                shutil.rmtree(self.tmp, ignore_errors=True)
+                return False
+            old = None
+            if self.final.exists():
+                old = self.final.with_name(f".{self.final.name}.old-{os.getpid()}")
+                os.replace(self.final, old)
+            os.replace(self.tmp, self.final)
+            if old is not None:
+                shutil.rmtree(old, ignore_errors=True)
+            return False
+
+    return _Ctx()
+
+
+def save_drafter_folder(folder: str | Path, *, drafter, target, tokenizer, method: str, extra: dict,
+                        card: str, dtype=None) -> Path:
+    """Write the drafter folder atomically (a reader never sees a half-written folder)."""
+    from drafttrain import __version__
+    from drafttrain.data import tokenizer_hash
+    from drafttrain.models.eagle import eagle_config_dict, save_eagle_weights
+
+    with atomic_dir(folder) as tmp:
+        save_eagle_weights(drafter, tmp, dtype=dtype)
+        meta = {
+            "drafttrain": {"version": __version__, "format": FORMAT_VERSION},
+            "method": method,
+            "target": target_signature(target),
+            "tokenizer_hash": tokenizer_hash(tokenizer),
+            "aux_layer_ids": list(drafter.cfg.aux_layer_ids),
+            "draft_vocab_size": drafter.cfg.draft_vocab_size,
+            "drafter": eagle_config_dict(drafter.cfg),
+            **extra,
+        }
+        (tmp / "config.json").write_text(json.dumps(meta, indent=2, default=str))
+        (tmp / "README.md").write_text(card)
+    return Path(folder)
+
+
+def model_card(meta: dict, summary: dict) -> str:
+    """A short Markdown model card for a drafter folder."""
+    t = meta.get("target", {})
+    rows = "\n".join(f"| {k} | {v} |" for k, v in summary.items())
+    return f"""---
+library_name: drafttrain
+tags: [speculative-decoding, {meta.get('method', 'drafter')}]
+base_model: {t.get('spec', '')}
+---
+# {meta.get('method', 'drafter').upper()} drafter for `{t.get('spec', '')}`
+
+Trained with [drafttrain](https://github.com/) (`{meta.get('recipe', '')}` recipe).
+
+- target: `{t.get('spec', '')}` ({t.get('model_type', '')}, hidden {t.get('hidden_size')}, vocab {t.get('vocab_size')}, revision `{t.get('revision', '')}`)
+- aux layers (HF hidden_states indices): {meta.get('aux_layer_ids')}
+- draft vocab: {meta.get('draft_vocab_size')} tokens, covering {meta.get('vocab_coverage', 0):.1%} of training assistant tokens
+- data: {meta.get('data_summary', '')}
+
+## Training results (held-out)
+
+| metric | value |
+|---|---|
+{rows}
+
+τ here is *simulated*: teacher-forced greedy chain acceptance on held-out text, bonus token
+included. Measure real speedups with `drafttrain eval`.
+"""

@@ -1,0 +1,113 @@
+"""One small loss function per drafter method: (drafter, target, batch, features) -> loss, metrics.
+
+EAGLE-3: training-time-test unroll; step k's logits at base position t predict x_{t+2+k} and are
+scored by soft cross-entropy against the target's distribution at position t+1+k restricted to
+the draft vocab (softmax over draft-vocab logits), weight step_weight**k. A position counts when
+the predicted token is an assistant token (loss mask) and the target's full-vocab argmax lies in
+the draft vocab.
+
+EAGLE-1: one step; the drafter regresses the target's next post-norm feature (SmoothL1) and is
+scored by soft cross-entropy of the target LM head on its prediction against the LM head on the
+true feature; uniform noise on the input features.
+
+Metrics: `acc_k` = top-1 agreement with the teacher at step k; `run_len` per position = number of
+consecutive steps from 0 that agree, from which the simulated (teacher-forced) greedy
+tau = 1 + mean(run_len) follows (bonus token included).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from drafttrain.features import teacher_draft_logits, teacher_in_vocab
+
+
+def _shift(x: Tensor, k: int, fill=0) -> Tensor:
+    """x[:, k:] padded at the end to the same length along dim 1."""
+    if k == 0:
+        return x
+    pad_shape = list(x.shape)
+    pad_shape[1] = min(k, x.shape[1])
+    pad = torch.full(pad_shape, fill, dtype=x.dtype, device=x.device)
+    return torch.cat([x[:, k:], pad], dim=1)
+
+
+def eagle3_loss(drafter, target, batch: dict[str, Tensor], feats: dict[str, Tensor], *, steps: int,
+                step_weight: float) -> tuple[Tensor, dict]:
+    """Returns (scalar loss, metrics with per-step acc / counts and run lengths)."""
+    input_ids, attn, loss_mask = batch["input_ids"], batch["attention_mask"].bool(), batch["loss_mask"].bool()
+    B, T = input_ids.shape
+    raw = drafter.module if hasattr(drafter, "module") else drafter
+    draft_ids = raw.draft_ids
+    with torch.no_grad():
+        t_logits = teacher_draft_logits(target, feats["final"], draft_ids)  # [B, T, Vd]
+        t_probs = torch.softmax(t_logits, dim=-1)
+        t_top = t_logits.argmax(-1)  # [B, T] (draft ids)
+        in_vocab = teacher_in_vocab(target, feats["final"], raw.t2d)  # [B, T]
+    ids_ext = torch.cat([input_ids, input_ids.new_zeros(B, steps + 1)], dim=1)
+    outs = drafter(ids_ext, feats["aux"].to(raw.fc.weight.dtype), ttt_steps=steps, valid=attn)
+    total = outs[0][0].new_zeros((), dtype=torch.float32)
+    metrics: dict = {"acc": [], "count": [], "correct": []}
+    alive = torch.ones(B, T, dtype=torch.bool, device=input_ids.device)
+    run_len = torch.zeros(B, T, dtype=torch.long, device=input_ids.device)
+    first_valid = None
+    for k, (logits, _) in enumerate(outs):
+        # teacher at position t+1+k predicts token t+2+k
+        valid = _shift(attn, 1 + k, False) & _shift(loss_mask, 2 + k, False) & _shift(in_vocab, 1 + k, False)
+        p = _shift(t_probs, 1 + k, 0.0)
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        ce = -(p * logp).sum(-1)  # [B, T]
+        n = valid.sum()
+        loss_k = (ce * valid).sum() / n.clamp(min=1)
+        total = total + (step_weight**k) * loss_k
+        with torch.no_grad():
+            agree = (logits.argmax(-1) == _shift(t_top, 1 + k, -1)) & valid
+            metrics["acc"].append(float(agree.sum() / n.clamp(min=1)))
+            metrics["count"].append(int(n))
+            metrics["correct"].append(int(agree.sum()))
+            if first_valid is None:
+                first_valid = valid
+            alive = alive & agree
+            run_len += alive.long()
+    metrics["run_len_sum"] = int(run_len[first_valid].sum()) if first_valid is not None else 0
+    metrics["run_len_n"] = int(first_valid.sum()) if first_valid is not None else 0
+    metrics["loss"] = float(total.detach())
+    return total, metrics
+
+
+def eagle1_loss(drafter, target, batch: dict[str, Tensor], feats: dict[str, Tensor], *, feature_weight: float,
+                ce_weight: float, noise: float) -> tuple[Tensor, dict]:
+    input_ids, attn, loss_mask = batch["input_ids"], batch["attention_mask"].bool(), batch["loss_mask"].bool()
+    B, T = input_ids.shape
+    raw = drafter.module if hasattr(drafter, "module") else drafter
+    dtype = raw.fc.weight.dtype
+    feat = feats["final"].to(dtype)  # [B, T, H]
+    x = feat + (torch.rand_like(feat) * 2 - 1) * noise if (noise > 0 and raw.training) else feat
+    tokens = _shift(input_ids, 1, 0)  # x_{t+1}
+    pos = torch.arange(1, T + 1, device=input_ids.device)[None].expand(B, T)
+    logits, pred = drafter(tokens, x, pos)
+    target_feat = _shift(feat, 1, 0.0)  # f_{t+1}
+    valid = _shift(attn, 1, False) & _shift(loss_mask, 2, False)
+    n = valid.sum().clamp(min=1)
+    reg = F.smooth_l1_loss(pred.float(), target_feat.float(), reduction="none").mean(-1)
+    with torch.no_grad():
+        head = raw._target_head[0]
+        t_logits = head(target_feat.to(head.weight.dtype)).float()
+        t_probs = torch.softmax(t_logits, -1)
+    ce = -(t_probs * torch.log_softmax(logits.float(), -1)).sum(-1)
+    loss = (feature_weight * (reg * valid).sum() + ce_weight * (ce * valid).sum()) / n
+    with torch.no_grad():
+        agree = (logits.argmax(-1) == t_logits.argmax(-1)) & valid
+    metrics = {
+        "acc": [float(agree.sum() / n)], "count": [int(valid.sum())], "correct": [int(agree.sum())],
+        "run_len_sum": int(agree.sum()), "run_len_n": int(valid.sum()), "loss": float(loss.detach()),
+        "feature_loss": float((reg.detach() * valid).sum() / n), "ce_loss": float((ce.detach() * valid).sum() / n),
+    }
+    return loss, metrics
+
+
+def simulated_tau(run_len_sum: int, run_len_n: int) -> float:
+    """Teacher-forced greedy chain tau: 1 (bonus) + mean accepted run length."""
+    return 1.0 + run_len_sum / max(run_len_n, 1)

@@ -1,0 +1,463 @@
+"""EAGLE-3 and EAGLE-1 feature drafters as plain `nn.Module`s.
+
+EAGLE-3 (arXiv 2503.01840): hidden states of three target layers are fused (fc, 3H -> H); one
+decoder layer whose attention reads concat(norm(token embedding), norm(feature)) (2H wide)
+produces the drafter's next feature; its own norm + LM head over a reduced draft vocabulary
+give the draft logits. `d2t[i]` is the offset from draft id i to its target id; `t2d` is a bool
+mask over the target vocabulary.
+
+EAGLE-1 (arXiv 2401.15077): fc(concat(token embedding, feature), 2H -> H, bias) then one plain
+decoder layer (no input norm) predicts the target's next post-norm feature; the TARGET's LM head
+reads it (full vocabulary, no own head).
+
+Token/feature alignment, shared by training and the decoder:
+    drafter input at position t = (feature f_t of token x_t from the target, embedding of x_{t+1})
+    with position id t + 1; the output predicts x_{t+2} and is the drafter's own guess of the
+    feature at t + 1, which it feeds back as `hidden` when it unrolls (step k of an unroll for
+    base position t therefore uses position id t + 1 + k).
+
+What this module does not do: it owns no embedding (the target's is passed in and reused,
+including Gemma's sqrt(H) scale, which lives inside Gemma's embedding module), it does not
+run the target, and it knows nothing about trees (the decoder's proposer builds those).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+METHODS = ("eagle3", "eagle1")
+
+
+@dataclass
+class EagleConfig:
+    """Shape and method of an EAGLE drafter. Saved as the `drafter` block of config.json."""
+
+    method: str = "eagle3"
+    hidden_size: int = 64
+    vocab_size: int = 257  # the target's vocabulary
+    draft_vocab_size: int = 257  # eagle1: always == vocab_size
+    aux_layer_ids: list[int] = field(default_factory=list)  # indices into HF hidden_states
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int = 16
+    intermediate_size: int = 128
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    embed_scale: float = 1.0  # documented only: the target's embedding module applies it
+    max_position_embeddings: int = 4096
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"drafter method {self.method!r} is not one of {', '.join(METHODS)}")
+        if self.method == "eagle1" and self.draft_vocab_size != self.vocab_size:
+            raise ValueError("EAGLE-1 reads the target's LM head: draft_vocab_size must equal vocab_size")
+
+    @property
+    def num_aux(self) -> int:
+        return max(1, len(self.aux_layer_ids))
+
+
+def default_aux_layer_ids(num_layers: int, method: str = "eagle3") -> list[int]:
+    """EAGLE-3's low / mid / high layers {2, N/2, N-3} in HF `hidden_states` numbering
+    (0 = embedding output, j = output of decoder layer j - 1); EAGLE-1 reads the final
+    post-norm hidden state, index N."""
+    if method == "eagle1":
+        return [num_layers]
+    ids = [min(2, num_layers), num_layers // 2, max(num_layers - 3, 0)]
+    return sorted(set(ids))
+
+
+def config_from_target(target_config, method: str = "eagle3", *, draft_vocab_size: int | None = None,
+                       aux_layer_ids: list[int] | None = None) -> EagleConfig:
+    """Derive the drafter's shape from a transformers target config."""
+    tc = getattr(target_config, "text_config", None) or target_config
+    heads = tc.num_attention_heads
+    head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // heads
+    rope = getattr(tc, "rope_parameters", None) or {}
+    if isinstance(rope, dict) and "full_attention" in rope:
+        rope = rope["full_attention"]
+    theta = (rope.get("rope_theta") if isinstance(rope, dict) else None) or getattr(tc, "rope_theta", 10000.0)
+    vocab = tc.vocab_size
+    n_layers = tc.num_hidden_layers
+    return EagleConfig(
+        method=method,
+        hidden_size=tc.hidden_size,
+        vocab_size=vocab,
+        draft_vocab_size=vocab if method == "eagle1" else min(draft_vocab_size or vocab, vocab),
+        aux_layer_ids=list(aux_layer_ids) if aux_layer_ids else default_aux_layer_ids(n_layers, method),
+        num_attention_heads=heads,
+        num_key_value_heads=getattr(tc, "num_key_value_heads", heads) or heads,
+        head_dim=head_dim,
+        intermediate_size=tc.intermediate_size,
+        rms_norm_eps=getattr(tc, "rms_norm_eps", 1e-6),
+        rope_theta=float(theta),
+        embed_scale=math.sqrt(tc.hidden_size) if "gemma" in str(getattr(tc, "model_type", "")) else 1.0,
+        max_position_embeddings=getattr(tc, "max_position_embeddings", 4096),
+    )
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_cos_sin(position_ids: Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """[B, T] positions -> cos, sin [B, 1, T, head_dim] (rotate-half convention)."""
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=position_ids.device, dtype=torch.float32) / head_dim))
+    freqs = position_ids.float()[..., None] * inv  # [B, T, hd/2]
+    emb = torch.cat([freqs, freqs], dim=-1)[:, None]
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+class DrafterAttention(nn.Module):
+    """Multi-head attention with GQA and RoPE; input width `in_dim` (2H for EAGLE-3, H for EAGLE-1)."""
+
+    def __init__(self, cfg: EagleConfig, in_dim: int) -> None:
+        super().__init__()
+        self.cfg = cfg
+        h, kv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.q_proj = nn.Linear(in_dim, h * d, bias=False)
+        self.k_proj = nn.Linear(in_dim, kv * d, bias=False)
+        self.v_proj = nn.Linear(in_dim, kv * d, bias=False)
+        self.o_proj = nn.Linear(h * d, cfg.hidden_size, bias=False)
+
+    def qkv(self, x: Tensor, position_ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """x [B, T, in] -> q [B, h, T, d], k, v [B, kv, T, d] with RoPE applied."""
+        B, T, _ = x.shape
+        c = self.cfg
+        q = self.q_proj(x).view(B, T, c.num_attention_heads, c.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(B, T, c.num_key_value_heads, c.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, c.num_key_value_heads, c.head_dim).transpose(1, 2)
+        cos, sin = rope_cos_sin(position_ids, c.head_dim, c.rope_theta, q.dtype)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def out(self, o: Tensor) -> Tensor:
+        """o [B, h, T, d] -> [B, T, H]."""
+        B, _, T, _ = o.shape
+        return self.o_proj(o.transpose(1, 2).reshape(B, T, -1))
+
+
+def _expand_kv(x: Tensor, groups: int) -> Tensor:
+    return x if groups == 1 else x.repeat_interleave(groups, dim=1)
+
+
+def ttt_attention(q: Tensor, keys: list[Tensor], values: list[Tensor], valid: Tensor | None) -> Tensor:
+    """Training-time-test attention without the (L x L*k) blow-up.
+
+    Step k of the unroll at base position t must see what the drafter sees at inference: the
+    step-0 entries of every earlier real position (causal over keys[0]) plus its own chain's
+    entries from steps 1..k at the same base position (the diagonal of keys[1..k]). So the
+    scores are one causal [T, T] block plus k diagonal columns, O(T^2 + kT), not O(k T^2).
+
+    q [B, h, T, d]; keys / values: lists of [B, kv, T, d]; valid [B, T] bool (padding keys off).
+    Returns [B, h, T, d].
+    """
+    B, h, T, d = q.shape
+    groups = h // keys[0].shape[1]
+    scale = 1.0 / math.sqrt(d)
+    k0 = _expand_kv(keys[0], groups)
+    v0 = _expand_kv(values[0], groups)
+    s0 = torch.matmul(q, k0.transpose(-1, -2)).float() * scale  # [B, h, T, T]
+    causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+    mask = causal[None, None]
+    if valid is not None:
+        mask = mask & valid[:, None, None, :]
+    s0 = s0.masked_fill(~mask, float("-inf"))
+    diag = [(q * _expand_kv(k, groups)).sum(-1, keepdim=True).float() * scale for k in keys[1:]]  # [B,h,T,1]
+    scores = torch.cat([s0, *diag], dim=-1)  # [B, h, T, T + k]
+    probs = torch.softmax(scores, dim=-1).to(q.dtype)
+    out = torch.matmul(probs[..., :T], v0)
+    for j, v in enumerate(values[1:]):
+        out = out + probs[..., T + j : T + j + 1] * _expand_kv(v, groups)
+    return out
+
+
+class DrafterMLP(nn.Module):
+    def __init__(self, hidden: int, inter: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inter, bias=False)
+        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class EagleDrafter(nn.Module):
+    """One-layer EAGLE drafter (EAGLE-3 or EAGLE-1, by `cfg.method`).
+
+    Parameters saved with the drafter (SGLang-style names for EAGLE-3): `fc.*`, `midlayer.*`,
+    `norm.weight`, `lm_head.weight`, buffers `d2t`, `t2d`. The target's embedding (and, for
+    EAGLE-1, its LM head) are attached with `attach_target` and never saved.
+    """
+
+    def __init__(self, cfg: EagleConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        H = cfg.hidden_size
+        eagle3 = cfg.method == "eagle3"
+        self.fc = nn.Linear(cfg.num_aux * H if eagle3 else 2 * H, H, bias=not eagle3)
+        self.midlayer = nn.Module()
+        m = self.midlayer
+        if eagle3:
+            m.input_layernorm = RMSNorm(H, cfg.rms_norm_eps)  # on the token embedding
+            m.hidden_norm = RMSNorm(H, cfg.rms_norm_eps)  # on the feature
+        m.self_attn = DrafterAttention(cfg, 2 * H if eagle3 else H)
+        m.post_attention_layernorm = RMSNorm(H, cfg.rms_norm_eps)
+        m.mlp = DrafterMLP(H, cfg.intermediate_size)
+        if eagle3:
+            self.norm = RMSNorm(H, cfg.rms_norm_eps)
+            self.lm_head = nn.Linear(H, cfg.draft_vocab_size, bias=False)
+        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
+        self.register_buffer("t2d", torch.ones(cfg.vocab_size, dtype=torch.bool))
+        # Not submodules: never saved, never trained, never moved by .to() on the drafter.
+        self._target_embed: list[nn.Module] = []
+        self._target_head: list[nn.Module] = []
+
+    # ---- wiring -------------------------------------------------------------------------------
+    def attach_target(self, target: nn.Module) -> EagleDrafter:
+        """Reuse the target's input embedding (and LM head for EAGLE-1)."""
+        self._target_embed = [target.get_input_embeddings()]
+        self._target_head = [target.get_output_embeddings()]
+        return self
+
+    def embed(self, input_ids: Tensor) -> Tensor:
+        if not self._target_embed:
+            raise RuntimeError("call drafter.attach_target(target) before running the drafter")
+        return self._target_embed[0](input_ids)
+
+    def set_vocab_mapping(self, d2t: Tensor, t2d: Tensor) -> None:
+        self.d2t.copy_(d2t)
+        self.t2d.copy_(t2d)
+
+    @property
+    def draft_ids(self) -> Tensor:
+        """[Vd] target ids of the draft vocabulary, in draft order."""
+        return torch.arange(self.cfg.draft_vocab_size, device=self.d2t.device) + self.d2t
+
+    def init_from_target(self, target: nn.Module) -> None:
+        """EAGLE-3: start the draft LM head from the target's rows for the draft vocab and the
+        final norm from the target's final norm (as the official recipe does)."""
+        if self.cfg.method != "eagle3":
+            return
+        with torch.no_grad():
+            w = target.get_output_embeddings().weight
+            self.lm_head.weight.copy_(w[self.draft_ids.to(w.device)].to(self.lm_head.weight.dtype))
+
+    # ---- compute ------------------------------------------------------------------------------
+    def fuse(self, aux_hidden: Tensor) -> Tensor:
+        """[B, T, num_aux * H] target features -> [B, T, H] (EAGLE-1: identity)."""
+        return self.fc(aux_hidden) if self.cfg.method == "eagle3" else aux_hidden
+
+    def _layer_input(self, input_ids: Tensor, hidden: Tensor) -> tuple[Tensor, Tensor]:
+        """Returns (attention input [B,T,2H or H], residual [B,T,H])."""
+        emb = self.embed(input_ids).to(hidden.dtype)
+        m = self.midlayer
+        if self.cfg.method == "eagle3":
+            x = torch.cat([m.input_layernorm(emb), m.hidden_norm(hidden)], dim=-1)
+            return x, hidden
+        x = self.fc(torch.cat([emb, hidden], dim=-1))
+        return x, x
+
+    def _finish(self, attn_out: Tensor, residual: Tensor) -> Tensor:
+        h = residual + attn_out
+        return h + self.midlayer.mlp(self.midlayer.post_attention_layernorm(h))
+
+    def logits(self, hidden_out: Tensor) -> Tensor:
+        """[B, T, H] drafter output -> [B, T, Vd] logits over the draft vocabulary."""
+        if self.cfg.method == "eagle3":
+            return self.lm_head(self.norm(hidden_out))
+        head = self._target_head[0]
+        return head(hidden_out.to(head.weight.dtype))
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        hidden: Tensor,
+        position_ids: Tensor | None = None,
+        past_key_values=None,
+        attention_mask: Tensor | None = None,
+        *,
+        ttt_steps: int = 0,
+        valid: Tensor | None = None,
+    ):
+        """One drafting pass (inference), or with `ttt_steps > 0` the training unroll.
+
+        The training path goes through `forward` so that DDP / FSDP wrappers see it; there
+        `hidden` is the RAW target features [B, T, num_aux * H] (fused here) and the result is
+        `forward_ttt`'s list.
+
+        Args:
+            input_ids: [B, T] tokens x_{t+1}.
+            hidden: [B, T, H] features (fused target features, or the drafter's own hidden_out).
+            position_ids: [B, T]; defaults to past_len + arange(T) (see the module docstring).
+            past_key_values: optional `transformers.DynamicCache` (layer 0 is the drafter's);
+                new keys/values are appended to it.
+            attention_mask: optional [B, 1, T, S] bool (True = attend) or additive float mask
+                over the S = past + T keys; default: causal over the new tokens, all past visible.
+
+        Returns:
+            (logits [B, T, Vd], hidden_out [B, T, H]).
+        """
+        if ttt_steps > 0:
+            return self.forward_ttt(input_ids, self.fuse(hidden), valid, ttt_steps)
+        B, T = input_ids.shape
+        past_len = past_key_values.get_seq_length(0) if past_key_values is not None else 0
+        if position_ids is None:
+            position_ids = torch.arange(past_len, past_len + T, device=input_ids.device)[None].expand(B, T)
+        x, residual = self._layer_input(input_ids, hidden)
+        attn = self.midlayer.self_attn
+        q, k, v = attn.qkv(x, position_ids)
+        if past_key_values is not None:
+            k, v = past_key_values.update(k, v, 0)
+        S = k.shape[2]
+        if attention_mask is None:
+            attention_mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)[None, None]
+        groups = q.shape[1] // k.shape[1]
+        o = F.scaled_dot_product_attention(
+            q, _expand_kv(k, groups), _expand_kv(v, groups), attn_mask=attention_mask
+        )
+        hidden_out = self._finish(attn.out(o), residual)
+        return self.logits(hidden_out), hidden_out
+
+    def forward_ttt(
+        self, input_ids: Tensor, hidden: Tensor, valid: Tensor, steps: int
+    ) -> list[tuple[Tensor, Tensor]]:
+        """Training-time-test unroll: `steps` passes feeding the drafter's own features back.
+
+        Args:
+            input_ids: [B, T + steps] tokens; step k reads input_ids[:, k + 1 : k + 1 + T]
+                (x_{t+1+k}: ground-truth tokens, the drafter's own features).
+            hidden: [B, T, H] fused target features f_t.
+            valid: [B, T] bool, False on padding.
+            steps: number of unroll steps (EAGLE-3 default 7).
+
+        Returns:
+            per step k: (logits [B, T, Vd] predicting x_{t+2+k}, hidden_out [B, T, H]).
+        """
+        B, T, _ = hidden.shape
+        base = torch.arange(T, device=hidden.device)[None].expand(B, T)
+        attn = self.midlayer.self_attn
+        keys: list[Tensor] = []
+        values: list[Tensor] = []
+        outputs = []
+        for k in range(steps):
+            tokens = input_ids[:, k + 1 : k + 1 + T]
+            x, residual = self._layer_input(tokens, hidden)
+            q, kk, vv = attn.qkv(x, base + 1 + k)
+            keys.append(kk)
+            values.append(vv)
+            o = ttt_attention(q, keys, values, valid)
+            hidden = self._finish(attn.out(o), residual)
+            outputs.append((self.logits(hidden), hidden))
+        return outputs
+
+
+# ---- vocabulary mapping -----------------------------------------------------------------------
+def build_vocab_mapping(token_counts: Tensor, draft_vocab_size: int) -> tuple[Tensor, Tensor, float]:
+    """Reduced draft vocab from loss-masked token frequencies.
+
+    Args:
+        token_counts: [V] counts of each target token among loss-masked (assistant) tokens.
+        draft_vocab_size: Vd <= V.
+
+    Returns:
+        d2t [Vd] long offsets (target_id = draft_id + d2t[draft_id]), t2d [V] bool mask,
+        coverage: fraction of counted tokens inside the draft vocab.
+    """
+    V = token_counts.numel()
+    if not 0 < draft_vocab_size <= V:
+        raise ValueError(f"draft_vocab_size must be in 1..{V} (the target vocab), got {draft_vocab_size}")
+    # Most frequent first; ties (incl. never-seen tokens) broken by the lowest id (stable sort).
+    order = torch.sort(token_counts.double(), descending=True, stable=True).indices[:draft_vocab_size]
+    draft_to_target = torch.sort(order).values  # draft ids follow target-id order, as engines expect
+    d2t = draft_to_target - torch.arange(draft_vocab_size)
+    t2d = torch.zeros(V, dtype=torch.bool)
+    t2d[draft_to_target] = True
+    total = token_counts.sum().item()
+    coverage = float(token_counts[draft_to_target].sum().item() / total) if total > 0 else 0.0
+    validate_vocab_mapping(d2t, t2d)
+    return d2t, t2d, coverage
+
+
+def validate_vocab_mapping(d2t: Tensor, t2d: Tensor) -> None:
+    """Check the d2t / t2d invariants; raises ValueError naming the broken one."""
+    Vd, V = d2t.numel(), t2d.numel()
+    target_ids = torch.arange(Vd, device=d2t.device) + d2t
+    if d2t.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"d2t must be an integer tensor, got {d2t.dtype}")
+    if t2d.dtype != torch.bool:
+        raise ValueError(f"t2d must be a bool tensor, got {t2d.dtype}")
+    if Vd > V:
+        raise ValueError(f"draft vocab ({Vd}) is larger than the target vocab ({V})")
+    if target_ids.min() < 0 or target_ids.max() >= V:
+        raise ValueError(f"d2t maps draft ids outside the target vocab [0, {V})")
+    if target_ids.unique().numel() != Vd:
+        raise ValueError("d2t maps two draft ids to the same target id")
+    if int(t2d.sum()) != Vd:
+        raise ValueError(f"t2d marks {int(t2d.sum())} target ids but the draft vocab has {Vd}")
+    if not bool(t2d[target_ids].all()):
+        raise ValueError("d2t and t2d disagree: a draft id's target id is not marked in t2d")
+
+
+# ---- save / load --------------------------------------------------------------------------------
+def drafter_state_dict(drafter: EagleDrafter) -> dict[str, Tensor]:
+    return {k: v.detach().contiguous() for k, v in drafter.state_dict().items()}
+
+
+def save_eagle_weights(drafter: EagleDrafter, folder: str | Path, dtype: torch.dtype | None = None) -> None:
+    from safetensors.torch import save_file
+
+    sd = drafter_state_dict(drafter)
+    if dtype is not None:
+        sd = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in sd.items()}
+    save_file(sd, str(Path(folder) / "model.safetensors"), metadata={"format": "pt"})
+
+
+def load_drafter(path: str | Path, target: nn.Module | None = None, *, map_location: str = "cpu") -> EagleDrafter:
+    """Load an EAGLE drafter folder (config.json + model.safetensors); attach and check `target`."""
+    from safetensors.torch import load_file
+
+    from drafttrain.drafter_io import check_target_match, read_drafter_config
+
+    folder = Path(path)
+    meta = read_drafter_config(folder)
+    cfg = EagleConfig(**meta["drafter"])
+    drafter = EagleDrafter(cfg)
+    sd = load_file(str(folder / "model.safetensors"), device=map_location)
+    missing, unexpected = drafter.load_state_dict(sd, strict=False)
+    if missing or unexpected:
+        raise ValueError(f"{folder}: weights do not match the config (missing {missing}, unexpected {unexpected})")
+    validate_vocab_mapping(drafter.d2t, drafter.t2d)
+    if target is not None:
+        check_target_match(meta, target, folder)
+        drafter.attach_target(target)
+        p = next(target.parameters())
+        drafter.to(device=p.device, dtype=p.dtype)
+    drafter.eval()
+    return drafter
+
+
+def eagle_config_dict(cfg: EagleConfig) -> dict:
+    return json.loads(json.dumps(asdict(cfg)))

@@ -1,0 +1,87 @@
+"""The training configuration schema: every key, its default and what it means.
+
+Recipes (`recipes/*.yaml`) set a subset of these keys; `key=value` arguments override them.
+`drafttrain train --help` prints this table.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from drafttrain.config import field_
+from drafttrain.data import DataConfig
+
+METHODS = ("eagle3", "eagle1")
+
+
+@dataclass
+class DrafterSettings:
+    draft_vocab_size: int = field_(32000, help="EAGLE-3 reduced draft vocabulary (most frequent loss-masked tokens); 0 = full target vocab")
+    aux_layer_ids: list[int] = field_(default_factory=list, help="target hidden_states indices fused by EAGLE-3 (0 = embeddings, j = output of layer j-1); empty = {2, N/2, N-3}")
+    ttt_steps: int = field_(7, help="EAGLE-3 training-time-test unroll length")
+    step_weight: float = field_(0.8, help="loss weight decay per unroll step (weight = step_weight**k)")
+    feature_weight: float = field_(1.0, help="EAGLE-1 SmoothL1 feature-regression weight")
+    ce_weight: float = field_(0.1, help="EAGLE-1 cross-entropy weight")
+    noise: float = field_(0.2, help="EAGLE-1 uniform noise half-width added to input features (0 = off)")
+    dtype: str = field_("float32", help="drafter parameter dtype (master weights)", choices=("float32", "bfloat16"))
+
+
+@dataclass
+class TrainSettings:
+    batch_size: int = field_(1, help="sequences per process per micro-step")
+    grad_accum: int = field_(1, help="micro-steps per optimizer step")
+    lr: float = field_(1e-4, help="peak learning rate (AdamW)")
+    betas: list[float] = field_(default_factory=lambda: [0.9, 0.95], help="AdamW betas")
+    weight_decay: float = field_(0.0, help="AdamW weight decay")
+    grad_clip: float = field_(0.5, help="max gradient norm (0 = off)")
+    warmup_steps: int = field_(20, help="linear warmup steps before cosine decay")
+    min_lr_ratio: float = field_(0.1, help="cosine floor as a fraction of lr")
+    max_steps: int = field_(0, help="optimizer steps; 0 = epochs * steps per epoch")
+    epochs: int = field_(1, help="passes over the training split (used when max_steps = 0)")
+    max_minutes: float = field_(0.0, help="stop (and save) after this many minutes of training; 0 = no limit")
+    mixed_precision: str = field_("auto", help="autocast dtype for the drafter forward", choices=("auto", "no", "bf16", "fp16"))
+    save_every: int = field_(200, help="checkpoint every N optimizer steps (atomic); 0 = only at the end")
+    keep_checkpoints: int = field_(2, help="how many recent checkpoints to keep")
+    eval_every: int = field_(0, help="held-out evaluation every N steps; 0 = only at the end")
+    log_every: int = field_(10, help="log a line every N optimizer steps")
+    resume: bool = field_(False, help="continue from the last checkpoint in output_dir")
+    stop_after: int = field_(0, help="stop (as if killed) after N steps without the final save; for tests")
+    num_workers: int = field_(0, help="DataLoader workers")
+
+
+@dataclass
+class FeatureSettings:
+    mode: str = field_("online", help="online: target forward inside the loop; offline: read a `drafttrain prepare` cache", choices=("online", "offline"))
+    cache_dir: str = field_("", help="offline feature cache folder (default: <output_dir>/features)")
+    shard_size: int = field_(256, help="records per offline cache shard")
+
+
+@dataclass
+class WandbSettings:
+    project: str = field_("drafttrain", help="W&B project")
+    entity: str = field_("", help="W&B entity (team)")
+    name: str = field_("", help="run name (default: output folder name)")
+    mode: str = field_("auto", help="auto = online when a key and network are there, else offline", choices=("auto", "online", "offline"))
+
+
+@dataclass
+class TrainConfig:
+    recipe: str = field_("", help="recipe name (recipes/NAME.yaml) or path to a YAML file")
+    method: str = field_("eagle3", help="drafter family", choices=METHODS)
+    target: str = field_("gemma-3-270m", help="target: packaged alias, HF hub id, local folder or .gguf file")
+    target_revision: str = field_("", help="hub revision of the target")
+    dtype: str = field_("auto", help="target dtype (auto = bf16 where the CPU/GPU runs it fast)", choices=("auto", "bfloat16", "float32", "float16"))
+    trust_remote_code: bool = field_(False, help="allow custom modelling code from the target's repo")
+    output_dir: str = field_("", help="run folder (default runs/<recipe>)")
+    seed: int = field_(0, help="random seed")
+    tracking: str = field_("none", help="experiment tracker", choices=("none", "wandb"))
+    print_config: bool = field_(False, help="print the resolved config and exit")
+    data: DataConfig = field_(default_factory=DataConfig, help="")
+    drafter: DrafterSettings = field_(default_factory=DrafterSettings, help="")
+    train: TrainSettings = field_(default_factory=TrainSettings, help="")
+    features: FeatureSettings = field_(default_factory=FeatureSettings, help="")
+    wandb: WandbSettings = field_(default_factory=WandbSettings, help="")
+
+    @property
+    def run_dir(self) -> str:
+        return self.output_dir or f"runs/{self.recipe or self.method}"

@@ -1,0 +1,464 @@
+"""The training loop, top to bottom: setup, loop, eval, save.
+
+The same function runs under plain `python` on a CPU and under `accelerate launch` on many GPUs:
+Accelerate prepares the drafter, optimizer and data in one place (`setup`), the target stays a
+frozen replica, and method differences live in `drafttrain.losses` (one function per method).
+
+Checkpoints (`<run>/checkpoints/step-N`) hold Accelerate's state (drafter, optimizer, RNG) plus
+the scheduler and `trainer_state.json` (step, epoch, position in the epoch); each is written to
+a temp folder and renamed, so a killed run always leaves the last complete one. `train.resume`
+continues from it with the same data order.
+
+What it does not do: subclass transformers' Trainer, or build drafters for methods other than
+the feature drafters (Medusa and draft LMs have their own recipes).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import signal
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+from drafttrain.config import dump_yaml, to_dict
+from drafttrain.schema import TrainConfig
+
+
+class TrainingError(RuntimeError):
+    """A run that must stop (NaN loss, bad cache); the message names step, batch and what was kept."""
+
+
+def log(accelerator, msg: str) -> None:
+    if accelerator is None or accelerator.is_main_process:
+        print(msg, flush=True)
+
+
+# ---- data order ----------------------------------------------------------------------------------
+class EpochSampler(Sampler[int]):
+    """A permutation of range(n) drawn from (seed, epoch): the same order on resume."""
+
+    def __init__(self, n: int, seed: int) -> None:
+        self.n, self.seed, self.epoch = n, seed, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self) -> Iterator[int]:
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+        return iter(torch.randperm(self.n, generator=g).tolist())
+
+    def __len__(self) -> int:
+        return self.n
+
+
+class _Records(Dataset):
+    def __init__(self, ds) -> None:
+        self.ds = ds
+
+    def __len__(self) -> int:
+        return len(self.ds)
+
+    def __getitem__(self, i: int) -> dict:
+        return self.ds[int(i)]
+
+
+# ---- schedule ------------------------------------------------------------------------------------
+def lr_lambda(warmup: int, total: int, min_ratio: float):
+    def f(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / max(1, warmup)
+        progress = (step - warmup) / max(1, total - warmup)
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+    return f
+
+
+# ---- checkpoints ---------------------------------------------------------------------------------
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    ck = run_dir / "checkpoints"
+    if not ck.is_dir():
+        return None
+    done = [p for p in ck.glob("step-*") if (p / "trainer_state.json").is_file()]
+    return max(done, key=lambda p: int(p.name.split("-")[1]), default=None)
+
+
+def save_checkpoint(accelerator, run_dir: Path, state: dict, scheduler, keep: int) -> Path:
+    ck = run_dir / "checkpoints"
+    final = ck / f"step-{state['step']:07d}"
+    tmp = ck / f".tmp-step-{state['step']:07d}"
+    if accelerator.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)
+    accelerator.wait_for_everyone()
+    accelerator.save_state(str(tmp), safe_serialization=True)
+    if accelerator.is_main_process:
+        torch.save(scheduler.state_dict(), tmp / "scheduler_lambda.pt")
+        (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2))
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)  # the rename is the commit point
+        for old in sorted((p for p in ck.glob("step-*")), key=lambda p: p.name)[:-keep] if keep > 0 else []:
+            shutil.rmtree(old, ignore_errors=True)
+    accelerator.wait_for_everyone()
+    return final
+
+
+# ---- metrics -------------------------------------------------------------------------------------
+@dataclass
+class StepMetrics:
+    """Sums over micro-steps / batches, turned into means by `summary`."""
+
+    loss_sum: float = 0.0
+    n: int = 0
+    correct: list[int] = field(default_factory=list)
+    count: list[int] = field(default_factory=list)
+    run_len_sum: int = 0
+    run_len_n: int = 0
+    tokens: int = 0
+
+    def add(self, m: dict, tokens: int) -> None:
+        self.loss_sum += m["loss"]
+        self.n += 1
+        if not self.correct:
+            self.correct = [0] * len(m["correct"])
+            self.count = [0] * len(m["count"])
+        for k, (c, n) in enumerate(zip(m["correct"], m["count"])):
+            self.correct[k] += c
+            self.count[k] += n
+        self.run_len_sum += m["run_len_sum"]
+        self.run_len_n += m["run_len_n"]
+        self.tokens += tokens
+
+    def summary(self, prefix: str) -> dict:
+        from drafttrain.losses import simulated_tau
+
+        out = {f"{prefix}/loss": self.loss_sum / max(self.n, 1)}
+        for k, (c, n) in enumerate(zip(self.correct, self.count)):
+            out[f"{prefix}/acc_{k}"] = c / max(n, 1)
+        out[f"{prefix}/tau_sim"] = simulated_tau(self.run_len_sum, self.run_len_n)
+        return out
+
+
+# ---- the run ------------------------------------------------------------------------------------
+def _mixed_precision(cfg: TrainConfig, target_dtype: torch.dtype) -> str:
+    mp = cfg.train.mixed_precision
+    if mp == "auto":
+        return "bf16" if target_dtype == torch.bfloat16 else "no"
+    return mp
+
+
+def loss_step(cfg: TrainConfig, drafter, target, batch: dict, feats: dict):
+    """The one place where methods differ."""
+    from drafttrain.losses import eagle1_loss, eagle3_loss
+
+    d = cfg.drafter
+    if cfg.method == "eagle3":
+        return eagle3_loss(drafter, target, batch, feats, steps=d.ttt_steps, step_weight=d.step_weight)
+    return eagle1_loss(drafter, target, batch, feats, feature_weight=d.feature_weight, ce_weight=d.ce_weight,
+                       noise=d.noise)
+
+
+def batch_features(cfg: TrainConfig, target, batch: dict, spec) -> dict:
+    from drafttrain.features import target_features
+
+    if "aux" in batch:  # offline cache
+        return {"aux": batch["aux"], "final": batch["final"].to(next(target.parameters()).dtype)}
+    return target_features(target, batch["input_ids"], batch["attention_mask"], spec)
+
+
+@torch.no_grad()
+def evaluate(cfg: TrainConfig, drafter, target, loader, spec, accelerator) -> dict:
+    raw = accelerator.unwrap_model(drafter)
+    was_training = raw.training
+    raw.eval()
+    m = StepMetrics()
+    for batch in loader:
+        batch = {k: v.to(accelerator.device) for k, v in batch.items()}
+        feats = batch_features(cfg, target, batch, spec)
+        with accelerator.autocast():
+            _, met = loss_step(cfg, raw, target, batch, feats)
+        m.add(met, int(batch["attention_mask"].sum()))
+    raw.train(was_training)
+    return m.summary("eval")
+
+
+def token_counts(ds, vocab_size: int) -> torch.Tensor:
+    """[V] counts of loss-masked tokens (the tokens the drafter must predict)."""
+    counts = torch.zeros(vocab_size, dtype=torch.float64)
+    for r in ds:
+        ids = torch.tensor(r["input_ids"], dtype=torch.long)
+        mask = torch.tensor(r["loss_mask"], dtype=torch.bool)
+        counts += torch.bincount(ids[mask], minlength=vocab_size)[:vocab_size].double()
+    return counts
+
+
+def build_drafter(cfg: TrainConfig, target, train_ds, accelerator):
+    from drafttrain.models.eagle import EagleDrafter, build_vocab_mapping, config_from_target
+
+    tcfg = getattr(target.config, "text_config", None) or target.config
+    vd = cfg.drafter.draft_vocab_size or tcfg.vocab_size
+    ecfg = config_from_target(target.config, cfg.method, draft_vocab_size=vd,
+                              aux_layer_ids=cfg.drafter.aux_layer_ids or None)
+    bad = [i for i in ecfg.aux_layer_ids if not 0 <= i <= tcfg.num_hidden_layers]
+    if bad:
+        raise TrainingError(
+            f"drafter.aux_layer_ids {bad} out of range: the target has hidden_states 0..{tcfg.num_hidden_layers}"
+        )
+    drafter = EagleDrafter(ecfg)
+    coverage = 1.0
+    if cfg.method == "eagle3":
+        counts = token_counts(train_ds, tcfg.vocab_size)
+        d2t, t2d, coverage = build_vocab_mapping(counts, ecfg.draft_vocab_size)
+        drafter.set_vocab_mapping(d2t, t2d)
+    drafter.attach_target(target)
+    drafter.init_from_target(target)
+    dtype = getattr(torch, cfg.drafter.dtype)
+    drafter.to(device=accelerator.device, dtype=dtype)
+    return drafter, coverage
+
+
+class _StopFlag:
+    """SIGTERM / SIGINT: finish the current step, save a checkpoint, exit cleanly."""
+
+    def __init__(self) -> None:
+        self.stop = False
+        self._old = {}
+
+    def __enter__(self):
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            try:
+                self._old[sig] = signal.signal(sig, self._handle)
+            except ValueError:  # not the main thread
+                pass
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        if self.stop:  # second signal: give up now
+            raise KeyboardInterrupt
+        self.stop = True
+        print(f"\ndrafttrain: got signal {signum}; saving a checkpoint and stopping (send again to abort)", flush=True)
+
+    def __exit__(self, *exc):
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+        return False
+
+
+def train(cfg: TrainConfig) -> dict:
+    """Run one training job; returns the summary dict (also written to <run>/summary.json)."""
+    from accelerate import Accelerator
+    from accelerate.utils import set_seed
+
+    from drafttrain.data import build_datasets, collate
+    from drafttrain.drafter_io import model_card, save_drafter_folder
+    from drafttrain.features import FeatureCache, FeatureSpec, collate_features
+    from drafttrain.targets import load_target, resolve_dtype
+    from drafttrain.tracking import make_tracker
+
+    t_start = time.time()
+    run_dir = Path(cfg.run_dir)
+    target_dtype = resolve_dtype(cfg.dtype)
+    accelerator = Accelerator(
+        gradient_accumulation_steps=cfg.train.grad_accum,
+        mixed_precision=_mixed_precision(cfg, target_dtype),
+        step_scheduler_with_optimizer=False,
+    )
+    set_seed(cfg.seed)
+    if accelerator.is_main_process:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        if not os.access(run_dir, os.W_OK):
+            raise TrainingError(f"output_dir {run_dir} is not writable; choose another output_dir=")
+        dump_yaml(cfg, run_dir / "config.yaml")
+
+    # ---- setup: target, data, drafter --------------------------------------------------------
+    log(accelerator, f"drafttrain: loading target {cfg.target} ({cfg.dtype})")
+    target, tokenizer, info = load_target(cfg.target, dtype=cfg.dtype, device=accelerator.device,
+                                          revision=cfg.target_revision or None,
+                                          trust_remote_code=cfg.trust_remote_code)
+    with accelerator.main_process_first():
+        train_ds, held_ds, report = build_datasets(cfg.data, tokenizer)
+    log(accelerator, report.summary())
+    drafter, coverage = build_drafter(cfg, target, train_ds, accelerator)
+    spec = FeatureSpec(cfg.method, drafter.cfg.aux_layer_ids)
+    n_params = sum(p.numel() for p in drafter.parameters() if p.requires_grad)
+    log(accelerator, f"drafttrain: {cfg.method} drafter, {n_params / 1e6:.1f}M trainable params, aux layers "
+        f"{drafter.cfg.aux_layer_ids}, draft vocab {drafter.cfg.draft_vocab_size} (covers {coverage:.1%} of "
+        f"assistant tokens)")
+
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    if cfg.features.mode == "offline":
+        cache_dir = Path(cfg.features.cache_dir or run_dir / "features")
+        records = FeatureCache(cache_dir)
+        if len(records) != len(train_ds) or records.meta.get("aux_layer_ids") != spec.aux_layer_ids:
+            raise TrainingError(
+                f"feature cache {cache_dir} does not match this config ({len(records)} records, aux "
+                f"{records.meta.get('aux_layer_ids')} vs {len(train_ds)} records, aux {spec.aux_layer_ids}); "
+                f"rerun `drafttrain prepare` with the same settings"
+            )
+        collate_fn = lambda b: collate_features(b, pad)  # noqa: E731
+    else:
+        records = _Records(train_ds)
+        collate_fn = lambda b: collate(b, pad)  # noqa: E731
+    sampler = EpochSampler(len(records), cfg.seed)
+    loader = DataLoader(records, batch_size=cfg.train.batch_size, sampler=sampler, collate_fn=collate_fn,
+                        num_workers=cfg.train.num_workers)
+    held_loader = DataLoader(_Records(held_ds), batch_size=cfg.train.batch_size,
+                             collate_fn=lambda b: collate(b, pad)) if len(held_ds) else None
+
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=cfg.train.lr, betas=tuple(cfg.train.betas),
+                                  weight_decay=cfg.train.weight_decay)
+    drafter, optimizer, loader = accelerator.prepare(drafter, optimizer, loader)
+    micro_per_epoch = len(loader)
+    steps_per_epoch = max(1, micro_per_epoch // cfg.train.grad_accum)
+    total_steps = cfg.train.max_steps or steps_per_epoch * cfg.train.epochs
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lr_lambda(cfg.train.warmup_steps, total_steps, cfg.train.min_lr_ratio))
+
+    state = {"step": 0, "epoch": 0, "micro_in_epoch": 0, "tokens": 0, "train_time_s": 0.0,
+             "best_tau_sim": None}
+    if cfg.train.resume:
+        ck = latest_checkpoint(run_dir)
+        if ck is None:
+            log(accelerator, f"drafttrain: train.resume=true but no checkpoint in {run_dir}/checkpoints; starting fresh")
+        else:
+            accelerator.load_state(str(ck))
+            scheduler.load_state_dict(torch.load(ck / "scheduler_lambda.pt", weights_only=True))
+            state = json.loads((ck / "trainer_state.json").read_text())
+            log(accelerator, f"drafttrain: resumed from {ck} (step {state['step']}, epoch {state['epoch']})")
+
+    tracker = make_tracker(cfg.tracking, is_main=accelerator.is_main_process, project=cfg.wandb.project,
+                           entity=cfg.wandb.entity, name=cfg.wandb.name or run_dir.name, mode=cfg.wandb.mode,
+                           config=to_dict(cfg), run_dir=str(run_dir))
+
+    # ---- loop -----------------------------------------------------------------------------------
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=total_steps, initial=state["step"], desc=f"train {cfg.method}", unit="step",
+               disable=not accelerator.is_main_process, dynamic_ncols=True)
+    window = StepMetrics()
+    last_eval: dict = {}
+    t_loop = time.time() - state["train_time_s"]
+    stopped_early = False
+    drafter.train()
+    with _StopFlag() as stop:
+        while state["step"] < total_steps and not stopped_early:
+            sampler.set_epoch(state["epoch"])
+            it = accelerator.skip_first_batches(loader, state["micro_in_epoch"]) if state["micro_in_epoch"] else loader
+            for batch in it:
+                state["micro_in_epoch"] += 1
+                feats = batch_features(cfg, target, batch, spec)
+                with accelerator.accumulate(drafter):
+                    with accelerator.autocast():
+                        loss, met = loss_step(cfg, drafter, target, batch, feats)
+                    if not torch.isfinite(loss):
+                        kept = latest_checkpoint(run_dir)
+                        raise TrainingError(
+                            f"loss is {loss.item()} at step {state['step'] + 1} (epoch {state['epoch']}, batch "
+                            f"{state['micro_in_epoch']}); stopped. Last good checkpoint: {kept or 'none'}"
+                        )
+                    accelerator.backward(loss)
+                    if accelerator.sync_gradients and cfg.train.grad_clip > 0:
+                        accelerator.clip_grad_norm_(drafter.parameters(), cfg.train.grad_clip)
+                    optimizer.step()
+                    optimizer.zero_grad()
+                ntok = int(batch["attention_mask"].sum())
+                window.add(met, ntok)
+                state["tokens"] += ntok * accelerator.num_processes
+                if not accelerator.sync_gradients:
+                    continue
+                scheduler.step()
+                state["step"] += 1
+                state["train_time_s"] = time.time() - t_loop
+                s = window.summary("train")
+                bar.update(1)
+                bar.set_postfix(loss=f"{s['train/loss']:.3f}", acc0=f"{s.get('train/acc_0', 0):.2f}",
+                                tau=f"{s['train/tau_sim']:.2f}")
+                if state["step"] % cfg.train.log_every == 0 or state["step"] == total_steps:
+                    s["train/lr"] = scheduler.get_last_lr()[0]
+                    s["train/tokens_per_s"] = state["tokens"] / max(state["train_time_s"], 1e-9)
+                    tracker.log(s, step=state["step"])
+                    window = StepMetrics()
+                if cfg.train.eval_every and state["step"] % cfg.train.eval_every == 0 and held_loader:
+                    last_eval = evaluate(cfg, drafter, target, held_loader, spec, accelerator)
+                    tracker.log(last_eval, step=state["step"])
+                    bar.write(f"step {state['step']}: " + ", ".join(f"{k}={v:.3f}" for k, v in last_eval.items()))
+                if cfg.train.stop_after and state["step"] >= cfg.train.stop_after:
+                    log(accelerator, f"drafttrain: train.stop_after={cfg.train.stop_after} reached; exiting without final save")
+                    bar.close()
+                    return {"stopped_at": state["step"]}
+                out_of_time = cfg.train.max_minutes and state["train_time_s"] > 60 * cfg.train.max_minutes
+                if out_of_time:
+                    log(accelerator, f"drafttrain: train.max_minutes={cfg.train.max_minutes} reached at step {state['step']}")
+                if cfg.train.save_every and state["step"] % cfg.train.save_every == 0 or stop.stop:
+                    save_checkpoint(accelerator, run_dir, state, scheduler, cfg.train.keep_checkpoints)
+                if stop.stop:
+                    log(accelerator, f"drafttrain: stopped by signal at step {state['step']}; resume with train.resume=true")
+                    bar.close()
+                    tracker.finish()
+                    raise SystemExit(130)
+                if state["step"] >= total_steps or out_of_time:
+                    stopped_early = bool(out_of_time)
+                    break
+            else:
+                state["epoch"] += 1
+                state["micro_in_epoch"] = 0
+                continue
+            if state["step"] >= total_steps:
+                break
+    bar.close()
+
+    # ---- final eval + save ---------------------------------------------------------------------
+    save_checkpoint(accelerator, run_dir, state, scheduler, cfg.train.keep_checkpoints)
+    final_eval = evaluate(cfg, drafter, target, held_loader, spec, accelerator) if held_loader else {}
+    tracker.log(final_eval, step=state["step"])
+    raw = accelerator.unwrap_model(drafter)
+    summary = {
+        "drafter_dir": str(run_dir / "drafter"),
+        "method": cfg.method,
+        "target": cfg.target,
+        "steps": state["step"],
+        "train_tokens": state["tokens"],
+        "train_time_s": round(state["train_time_s"], 1),
+        "wall_time_s": round(time.time() - t_start, 1),
+        "train_tokens_per_s": round(state["tokens"] / max(state["train_time_s"], 1e-9), 1),
+        "vocab_coverage": round(coverage, 4),
+        "num_processes": accelerator.num_processes,
+        "device": str(accelerator.device),
+        **{k: round(v, 4) for k, v in final_eval.items()},
+    }
+    if accelerator.is_main_process:
+        meta = {"method": cfg.method, "recipe": cfg.recipe, "target": {"spec": cfg.target},
+                "aux_layer_ids": raw.cfg.aux_layer_ids, "draft_vocab_size": raw.cfg.draft_vocab_size,
+                "vocab_coverage": coverage, "data_summary": report.summary().splitlines()[0]}
+        card = model_card(meta, {k: v for k, v in summary.items() if k.startswith("eval/") or k in (
+            "steps", "train_tokens", "train_time_s", "train_tokens_per_s")})
+        save_drafter_folder(run_dir / "drafter", drafter=raw, target=target, tokenizer=tokenizer, method=cfg.method,
+                            card=card, extra={"recipe": cfg.recipe, "vocab_coverage": coverage,
+                                              "training": to_dict(cfg), "metrics": summary,
+                                              "data": report.__dict__ if hasattr(report, "__dict__") else {}})
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        tracker.log_artifact(run_dir / "drafter", name=f"{run_dir.name}-drafter", metadata=summary)
+    tracker.finish()
+    accelerator.wait_for_everyone()
+    return summary
+
+
+def format_summary(summary: dict) -> str:
+    lines = ["", "drafttrain: run finished", f"  drafter      {summary.get('drafter_dir')}"]
+    for k in ("steps", "train_tokens", "train_time_s", "wall_time_s", "train_tokens_per_s", "vocab_coverage"):
+        if k in summary:
+            lines.append(f"  {k:<12} {summary[k]}")
+    accs = [(k, v) for k, v in summary.items() if k.startswith("eval/acc_")]
+    if accs:
+        lines.append("  held-out acc " + " ".join(f"{v:.3f}" for _, v in accs) + "  (per unroll step)")
+    if "eval/tau_sim" in summary:
+        lines.append(f"  held-out simulated tau {summary['eval/tau_sim']:.3f}  (teacher-forced greedy chain, bonus included)")
+    return "\n".join(lines)

@@ -1,0 +1,177 @@
+"""End-to-end training on tiny targets: weights change, loss falls, features and resume agree."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from drafttrain.cli import main
+from drafttrain.config import parse_args
+from drafttrain.schema import TrainConfig
+from drafttrain.trainer import train
+
+FAST = ["dtype=float32", "train.mixed_precision=no", "data.heldout=4", "data.max_len=96", "train.warmup_steps=0",
+        "train.log_every=1", "drafter.ttt_steps=3", "drafter.draft_vocab_size=120"]
+
+
+def cfg_for(target: Path, data: Path, out: Path, *extra: str) -> TrainConfig:
+    return parse_args([f"target={target}", f"data.path={data}", f"output_dir={out}", *FAST, *extra], TrainConfig)
+
+
+def weights(run: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(run / "drafter" / "model.safetensors"))
+
+
+def fixed_batch_loss(cfg: TrainConfig, run: Path) -> float:
+    """Loss of the saved drafter on the first 4 training records (a fixed batch)."""
+    from drafttrain.data import build_datasets, collate
+    from drafttrain.features import FeatureSpec, target_features
+    from drafttrain.models.eagle import load_drafter
+    from drafttrain.targets import load_target
+    from drafttrain.trainer import loss_step
+
+    target, tok, _ = load_target(cfg.target, dtype="float32")
+    train_ds, _, _ = build_datasets(cfg.data, tok)
+    drafter = load_drafter(run / "drafter", target)
+    batch = collate([train_ds[i] for i in range(4)], tok.pad_token_id)
+    feats = target_features(target, batch["input_ids"], batch["attention_mask"],
+                            FeatureSpec(cfg.method, drafter.cfg.aux_layer_ids))
+    with torch.no_grad():
+        loss, _ = loss_step(cfg, drafter, target, batch, feats)
+    return float(loss)
+
+
+@pytest.mark.parametrize("method", ["eagle3", "eagle1"])
+def test_two_steps_change_drafter_and_lower_loss(family, method, target_dirs, chat_file, tmp_path):
+    common = (f"method={method}", "train.max_steps=2", "train.batch_size=4", "drafter.noise=0")
+    frozen = cfg_for(target_dirs[family], chat_file, tmp_path / "lr0", *common, "train.lr=0")
+    trained = cfg_for(target_dirs[family], chat_file, tmp_path / "run", *common, "train.lr=1e-2")
+    train(frozen)
+    summary = train(trained)
+    assert summary["steps"] == 2
+    before, after = weights(tmp_path / "lr0"), weights(tmp_path / "run")
+    assert before.keys() == after.keys()
+    assert any(not torch.equal(before[k], after[k]) for k in before if before[k].is_floating_point())
+    assert fixed_batch_loss(trained, tmp_path / "run") < fixed_batch_loss(frozen, tmp_path / "lr0")
+    meta = json.loads((tmp_path / "run" / "drafter" / "config.json").read_text())
+    assert meta["method"] == method and meta["target"]["hidden_size"] == 64
+    assert (tmp_path / "run" / "config.yaml").exists() and (tmp_path / "run" / "drafter" / "README.md").exists()
+
+
+def test_online_and_offline_features_give_the_same_loss(target_dirs, chat_file, tmp_path):
+    from drafttrain.data import build_datasets
+    from drafttrain.features import FeatureCache, FeatureSpec, collate_features, target_features
+    from drafttrain.models.eagle import EagleDrafter, config_from_target
+    from drafttrain.prepare import prepare
+    from drafttrain.targets import load_target
+    from drafttrain.trainer import loss_step
+
+    # bf16 target: the cache stores bf16, so online and offline features are bit-identical.
+    cfg = cfg_for(target_dirs["llama"], chat_file, tmp_path / "run", "dtype=bfloat16")
+    cache = prepare(cfg)
+    target, tok, _ = load_target(cfg.target, dtype="bfloat16")
+    train_ds, _, _ = build_datasets(cfg.data, tok)
+    records = FeatureCache(cache)
+    assert len(records) == len(train_ds)
+    torch.manual_seed(0)
+    drafter = EagleDrafter(config_from_target(target.config, "eagle3")).attach_target(target)
+    idx = [0, 3, 5]
+    offline = collate_features([records[i] for i in idx], tok.pad_token_id)
+    from drafttrain.data import collate
+
+    online = collate([train_ds[i] for i in idx], tok.pad_token_id)
+    assert torch.equal(offline["input_ids"], online["input_ids"])
+    spec = FeatureSpec("eagle3", drafter.cfg.aux_layer_ids)
+    f_on = target_features(target, online["input_ids"], online["attention_mask"], spec)
+    with torch.no_grad():
+        l_on, _ = loss_step(cfg, drafter, target, online, f_on)
+        l_off, _ = loss_step(cfg, drafter, target, offline, {"aux": offline["aux"], "final": offline["final"]})
+    assert float(l_on) == pytest.approx(float(l_off), rel=1e-5)
+    # and training from the cache runs
+    summary = train(cfg_for(target_dirs["llama"], chat_file, tmp_path / "run", "dtype=bfloat16",
+                            "features.mode=offline", "train.max_steps=2"))
+    assert summary["steps"] == 2
+
+
+def test_prepare_resumes_after_partial_run(target_dirs, chat_file, tmp_path):
+    from drafttrain.features import shard_name
+    from drafttrain.prepare import prepare
+
+    cfg = cfg_for(target_dirs["llama"], chat_file, tmp_path / "run", "features.shard_size=5")
+    out = prepare(cfg)
+    full = {p.name: load_file(str(p)) for p in sorted(out.glob("shard-*"))}
+    assert len(full) >= 3
+    (out / shard_name(1)).unlink()  # as if killed before shard 1 was renamed into place
+    (out / (shard_name(2) + ".tmp-999")).write_bytes(b"partial")
+    prepare(cfg)
+    again = {p.name: load_file(str(p)) for p in sorted(out.glob("shard-*.safetensors"))}
+    assert again.keys() == full.keys()
+    for name in full:
+        for k in full[name]:
+            assert torch.equal(full[name][k], again[name][k])
+
+
+def test_stop_and_resume_equals_uninterrupted(target_dirs, chat_file, tmp_path):
+    common = ("train.max_steps=6", "train.save_every=3", "train.lr=3e-3", "train.batch_size=2", "seed=3")
+    train(cfg_for(target_dirs["qwen3"], chat_file, tmp_path / "straight", *common))
+    out = train(cfg_for(target_dirs["qwen3"], chat_file, tmp_path / "resumed", *common, "train.stop_after=3"))
+    assert out == {"stopped_at": 3}
+    assert not (tmp_path / "resumed" / "drafter").exists()
+    summary = train(cfg_for(target_dirs["qwen3"], chat_file, tmp_path / "resumed", *common, "train.resume=true"))
+    assert summary["steps"] == 6
+    a, b = weights(tmp_path / "straight"), weights(tmp_path / "resumed")
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6)
+
+
+def _one_line_error(capsys, argv) -> str:
+    code = main(argv)
+    err = capsys.readouterr().err.strip()
+    assert code != 0, err
+    # Progress bars (weight loading) may precede it; the error itself is exactly one line.
+    errors = [ln for ln in err.replace("\r", "\n").splitlines() if "error" in ln.lower()]
+    assert len(errors) == 1 and errors[0].startswith("drafttrain: error: "), err
+    assert "Traceback" not in err
+    return errors[0]
+
+
+def test_missing_data_file_error(target_dirs, tmp_path, capsys):
+    err = _one_line_error(capsys, ["train", f"target={target_dirs['llama']}", f"data.path={tmp_path}/nope.json",
+                                   f"output_dir={tmp_path}/run", *FAST])
+    assert "nope.json" in err
+
+
+def test_empty_dataset_error(target_dirs, tmp_path, capsys):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    err = _one_line_error(capsys, ["train", f"target={target_dirs['llama']}", f"data.path={empty}",
+                                   f"output_dir={tmp_path}/run", *FAST])
+    assert "empty.jsonl" in err
+
+
+def test_missing_target_error(tmp_path, chat_file, capsys):
+    err = _one_line_error(capsys, ["train", f"target={tmp_path}/no-such-model", f"data.path={chat_file}", *FAST])
+    assert "no-such-model" in err
+
+
+def test_offline_hub_id_error(chat_file, capsys, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    err = _one_line_error(capsys, ["train", "target=some-org/some-model-7b", f"data.path={chat_file}", *FAST])
+    assert "some-org/some-model-7b" in err and "offline" in err
+
+
+def test_target_drafter_mismatch_error(target_dirs, chat_file, tmp_path):
+    from drafttrain.drafter_io import DrafterMismatchError
+    from drafttrain.models.eagle import load_drafter
+    from drafttrain.testing import tiny_target
+
+    train(cfg_for(target_dirs["llama"], chat_file, tmp_path / "run", "train.max_steps=1"))
+    other = tiny_target("llama", vocab_size=263, hidden_size=32, num_layers=6)
+    with pytest.raises(DrafterMismatchError) as e:
+        load_drafter(tmp_path / "run" / "drafter", other)
+    msg = str(e.value)
+    assert "hidden_size 64 vs 32" in msg and len(msg.splitlines()) == 1
