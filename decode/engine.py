@@ -1,0 +1,250 @@
+"""The speculative generate loop: prefill, draft, verify, accept (gpt-fast style).
+
+    prefill  the target reads each prompt minus its last token; that last token is the root
+    draft    the proposer returns a tree hanging off the root
+    verify   one target forward over the tree (tree attention mask, tree position ids), then
+             `verify_tree` picks the accepted path and one more token (recovered or bonus)
+    accept   emit path + next token (cut at EOS / max_new_tokens), keep only the path's KV,
+             the next token becomes the new root
+
+Batching: prompts are left-padded; rows accept different numbers of tokens, so the committed
+KV segment has holes (masked out) where a row kept fewer entries than the longest row; every
+row keeps its own positions. Rows finish independently; a finished row stays in the batch
+with an empty tree until all are done. `proposer=None` runs target-only decoding through the
+same loop (a root-only tree), so baselines share every line of code with speculation.
+
+Deliberately not here: proposers (proposers/), acceptance rules (verify.py), logit processing
+(sampling.py), KV layout (kv.py), benchmarks and reports (bench/, eval/).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from drafttrain.decode.kv import KVState, target_forward
+from drafttrain.decode.proposers.base import Proposer
+from drafttrain.decode.stats import DecodeStats
+from drafttrain.decode.tree import DraftTree, DynamicTree, StaticTree, parse_tree, root_only
+from drafttrain.decode.verify import VerifyResult, verify_tree
+
+__all__ = ["DecodeState", "GenerateOutput", "speculative_generate"]
+
+
+@dataclass
+class DecodeState:
+    """Everything a proposer may read about the current step.
+
+    Attributes:
+        target: the target model.
+        kv: the target's KVState (committed = every accepted token except the root).
+        tokens: per row, prompt (no padding) + emitted tokens; the last one is the root.
+        root: [B] last accepted token (node 0 of the next tree).
+        root_pos: [B] its absolute position (= len(tokens[b]) - 1).
+        active: [B] rows still generating.
+        temperature / top_k / top_p: sampling settings (target and draft alike).
+        generator: RNG for draft sampling (and verification unless a seed keys it).
+        gamma: chain length requested by the caller (None: the proposer's default).
+        tree: None (chain), StaticTree or DynamicTree.
+        options: extra keyword options passed to speculative_generate.
+    """
+
+    target: nn.Module
+    kv: KVState
+    tokens: list[list[int]]
+    root: Tensor
+    root_pos: Tensor
+    active: Tensor
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    generator: torch.Generator | None = None
+    gamma: int | None = None
+    tree: StaticTree | DynamicTree | None = None
+    options: dict | None = None
+
+
+@dataclass
+class GenerateOutput:
+    """Result of `speculative_generate`.
+
+    Attributes:
+        sequences: per row, the NEW token ids (prompt excluded), EOS included when hit.
+        stats: counters of the call (τ, acceptance, time split).
+    """
+
+    sequences: list[list[int]]
+    stats: DecodeStats
+
+    def padded(self, pad_token_id: int = 0) -> tuple[Tensor, Tensor]:
+        """(tokens [B, max_len] right-padded, lengths [B])."""
+        lengths = torch.tensor([len(s) for s in self.sequences])
+        out = torch.full((len(self.sequences), int(lengths.max(initial=0))), pad_token_id, dtype=torch.long)
+        for b, s in enumerate(self.sequences):
+            out[b, : len(s)] = torch.tensor(s, dtype=torch.long)
+        return out, lengths
+
+
+# ---- the four steps -----------------------------------------------------------------------------
+def prefill(state: DecodeState, input_ids: Tensor, attention_mask: Tensor, proposer: Proposer | None,
+            stats: DecodeStats) -> None:
+    """Target forward over each prompt minus its last token; commits that KV."""
+    B, P = input_ids.shape
+    hidden_ids = tuple(proposer.needs_hidden_states) if proposer is not None else ()
+    hidden: dict[int, Tensor] = {}
+    if P > 1:
+        ids, valid = input_ids[:, :-1], attention_mask[:, :-1].bool()  # [B, P-1]
+        positions = (valid.long().cumsum(1) - 1).clamp(min=0)
+        col = torch.arange(P - 1, device=ids.device).expand(B, -1)
+        parents = torch.where(col > 0, col - 1, -1)  # causal chain; padding masked by `valid`
+        with stats.timer("prefill"):
+            _, hidden = target_forward(state.target, state.kv, ids, positions, parents, valid=valid,
+                                       hidden_ids=hidden_ids)
+            state.kv.commit(torch.where(valid, col, -1))
+        stats.prefill_forwards += 1
+    if proposer is not None:
+        with stats.timer("draft"):
+            proposer.prefill(state, hidden)
+
+
+def draft(state: DecodeState, proposer: Proposer | None) -> DraftTree:
+    """Asks the proposer for a tree; finished rows get an empty one."""
+    if proposer is None:
+        return root_only(state.root)
+    tree = proposer.propose(state)
+    if tree.tokens.shape[0] != state.root.shape[0] or not torch.equal(tree.tokens[:, 0], state.root):
+        raise RuntimeError(f"{type(proposer).__name__}.propose returned a tree whose node 0 is not the root")
+    return tree.without_rows(~state.active)
+
+
+def verify(state: DecodeState, tree: DraftTree, proposer: Proposer | None, seed: int | None
+           ) -> tuple[VerifyResult, dict[int, Tensor]]:
+    """One target forward over the tree, then the acceptance rule of verify.py."""
+    positions = state.root_pos[:, None] + tree.depths()  # [B, N]
+    node_parents = torch.where(tree.parents >= 0, state.kv.pending_len + tree.parents, tree.parents)
+    hidden_ids = tuple(proposer.needs_hidden_states) if proposer is not None else ()
+    logits, hidden = target_forward(state.target, state.kv, tree.tokens, positions, node_parents,
+                                    hidden_ids=hidden_ids)  # logits [B, N, V]
+    result = verify_tree(logits.float(), tree.tokens, tree.parents, tree.draft_probs,
+                         temperature=state.temperature, top_k=state.top_k, top_p=state.top_p,
+                         generator=state.generator, seed=seed, positions=positions)
+    return result, hidden
+
+
+def accept(state: DecodeState, tree: DraftTree, result: VerifyResult, out: list[list[int]],
+           max_new_tokens: int, eos: set[int], stats: DecodeStats) -> None:
+    """Emits accepted drafts + next token per row, cut at EOS and at max_new_tokens; keeps the
+    accepted path's KV; moves the root."""
+    B = tree.tokens.shape[0]
+    tokens = tree.tokens.tolist()
+    paths = result.accepted.tolist()
+    num = result.num_accepted.tolist()
+    next_tok = result.next_token.tolist()
+    active = state.active.tolist()
+    depth_drafted = tree.depths().max(1).values.tolist()
+    stats.record_step(depth_drafted, num, active)
+    keep = torch.full((B, 1 + max(num, default=0)), -1, dtype=torch.long)
+    for b in range(B):
+        if not active[b]:
+            continue
+        path = paths[b][: num[b]]
+        emitted = [tokens[b][i] for i in path] + [next_tok[b]]
+        room = max_new_tokens - len(out[b])
+        cut = next((j + 1 for j, t in enumerate(emitted) if t in eos), len(emitted))
+        emitted = emitted[: min(cut, room)]
+        out[b].extend(emitted)
+        state.tokens[b].extend(emitted)
+        stats.tokens_emitted += len(emitted)
+        stats.per_row_tokens[b] += len(emitted)
+        stats.per_row_forwards[b] += 1
+        if len(out[b]) >= max_new_tokens or (emitted and emitted[-1] in eos):
+            active[b] = False
+        keep[b, 0] = 0  # the root's KV ...
+        keep[b, 1 : 1 + len(path)] = torch.tensor(path, dtype=torch.long)  # ... and the accepted path's
+    # pending = the tree's N nodes: keep root + path, per row (holes where a row kept fewer)
+    state.kv.commit(keep.to(tree.tokens.device))
+    state.active = torch.tensor(active, device=state.active.device)
+    state.root = torch.tensor([t[-1] for t in state.tokens], device=state.root.device)
+    state.root_pos = torch.tensor([len(t) - 1 for t in state.tokens], device=state.root.device)
+
+
+# ---- public entry point -------------------------------------------------------------------------
+@torch.inference_mode()
+def speculative_generate(target: nn.Module, proposer: Proposer | None, input_ids: Tensor, *,
+                         attention_mask: Tensor | None = None, max_new_tokens: int,
+                         temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                         seed: int | None = None, eos_token_id: int | list[int] | None = None,
+                         gamma: int | None = None, tree=None, generator: torch.Generator | None = None,
+                         **opts) -> GenerateOutput:
+    """Lossless speculative decoding of a batch of prompts.
+
+    Args:
+        target: an HF causal LM (transformers v5), in eval mode.
+        proposer: a `Proposer` (see `load_proposer`), or None for target-only decoding.
+        input_ids: [B, P] prompts, LEFT-padded when lengths differ.
+        attention_mask: [B, P] 1 = real token; required when prompts are padded.
+        max_new_tokens: new tokens per row (a row stops earlier on EOS).
+        temperature: 0 = greedy; > 0 = sampling (target and draft processed alike).
+        top_k / top_p: sampling filters (0 / 1.0 = off).
+        seed: seeds draft sampling and keys verification's counter-based RNG, which makes a
+            row's output independent of the batch.
+        eos_token_id: id or ids that end a row (included in its output); default: the target
+            config's eos_token_id.
+        gamma: chain length (drafts per step) for chain proposers.
+        tree: None (chain), "dynamic" / DynamicTree (EAGLE-2), or a list of rank paths (static).
+        generator: optional torch.Generator for the random draws (ignored for verification when
+            `seed` is given).
+        **opts: kept in `state.options` for proposers.
+
+    Returns:
+        GenerateOutput(sequences=new tokens per row, stats=DecodeStats).
+    """
+    if input_ids.dim() == 1:
+        input_ids = input_ids[None]
+    B, P = input_ids.shape
+    device = input_ids.device
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids)
+    if not bool(attention_mask[:, -1].all()):
+        raise ValueError("prompts must be left-padded: attention_mask[:, -1] must be 1 for every row")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    eos = _eos_set(target, eos_token_id)
+    if generator is None and seed is not None:
+        generator = torch.Generator(device=device).manual_seed(seed)
+    tokens = [row[m.bool()].tolist() for row, m in zip(input_ids, attention_mask)]
+    state = DecodeState(
+        target=target, kv=KVState.for_model(target, B, device), tokens=tokens,
+        root=input_ids[:, -1].clone(), root_pos=torch.tensor([len(t) - 1 for t in tokens], device=device),
+        active=torch.ones(B, dtype=torch.bool, device=device), temperature=float(temperature),
+        top_k=top_k, top_p=top_p, generator=generator, gamma=gamma, tree=parse_tree(tree), options=opts,
+    )
+    stats = DecodeStats(per_row_tokens=[0] * B, per_row_forwards=[0] * B)
+    out: list[list[int]] = [[] for _ in range(B)]
+
+    prefill(state, input_ids, attention_mask, proposer, stats)
+    while bool(state.active.any()):
+        with stats.timer("draft"):
+            tree = draft(state, proposer)
+        with stats.timer("verify"):
+            result, hidden = verify(state, tree, proposer, seed)
+        with stats.timer("other"):
+            accept(state, tree, result, out, max_new_tokens, eos, stats)
+        if proposer is not None:
+            with stats.timer("draft"):
+                proposer.observe(state, tree, result, hidden)
+    return GenerateOutput(out, stats)
+
+
+def _eos_set(target: nn.Module, eos_token_id) -> set[int]:
+    if eos_token_id is None:
+        eos_token_id = getattr(getattr(target, "generation_config", None), "eos_token_id", None)
+        if eos_token_id is None:
+            eos_token_id = getattr(target.config, "eos_token_id", None)
+    if eos_token_id is None:
+        return set()
+    if isinstance(eos_token_id, int):
+        return {eos_token_id}
+    return {int(e) for e in eos_token_id}

@@ -1,0 +1,224 @@
+"""KV-cache bookkeeping for tree decoding: who may attend to whom, and which entries survive.
+
+A `KVState` wraps a transformers `DynamicCache` built WITHOUT a config, so every layer is a
+plain `DynamicLayer` that stores all keys (sliding-window layers included). The sliding window
+is enforced by the attention mask we build, not by the cache: v5's `DynamicSlidingWindowLayer`
+drops keys beyond the window on every update, which makes gathering an accepted path out of
+a verified tree impossible once the window is full. Keeping everything costs memory on long
+Gemma 3 contexts; it buys exact in-place reindexing for every layer type.
+
+Cache entries come in two segments:
+  * committed: tokens known to be part of the output (or prompt). Per row, `valid` marks real
+    entries (left padding and holes left by rows that accepted fewer tokens are False) and
+    `pos` gives each entry's absolute position.
+  * pending: tokens fed since the last commit (a draft tree). `pend_anc` says which pending
+    entries each pending entry may see (its tree ancestors and itself).
+`commit(keep)` gathers the kept pending entries per row into the committed segment (rows may
+keep different numbers; shorter rows get holes); `rollback()` drops the pending segment.
+
+Masks are additive float masks [B, 1, q, kv] (0 = attend, dtype min = blocked), which both
+the eager and SDPA attention paths of transformers v5 accept unchanged when passed as 4D;
+models with sliding layers (Gemma 3) get a dict {layer_type: mask}, which their forward uses
+as-is.
+
+Deliberately not here: static caches, paged attention, chunked attention (Llama 4), quantised
+caches. Calling a model is the caller's job (`target_forward` is the one generic helper).
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+from torch import Tensor, nn
+from transformers import DynamicCache
+
+__all__ = ["KVState", "target_forward", "truncated_layers", "attention_layout"]
+
+
+def attention_layout(config) -> tuple[list[str] | None, int | None]:
+    """(layer_types or None, sliding_window or None) of a causal LM config.
+
+    Raises:
+        NotImplementedError: for layer types the mask builder does not know (chunked attention).
+    """
+    config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    types = getattr(config, "layer_types", None)
+    if not types:
+        return None, None
+    unknown = set(types) - {"full_attention", "sliding_attention"}
+    if unknown:
+        raise NotImplementedError(f"tree decoding does not support layer types {sorted(unknown)}")
+    window = getattr(config, "sliding_window", None) if "sliding_attention" in types else None
+    return list(types), window
+
+
+class KVState:
+    """A DynamicCache plus the per-row validity / position bookkeeping tree attention needs."""
+
+    def __init__(self, batch_size: int, device: torch.device, *, layer_types=None, sliding_window=None):
+        self.cache = DynamicCache()
+        self.layer_types = layer_types
+        self.window = sliding_window
+        B = batch_size
+        self.valid = torch.zeros(B, 0, dtype=torch.bool, device=device)  # [B, Lc]
+        self.pos = torch.zeros(B, 0, dtype=torch.long, device=device)  # [B, Lc]
+        self.pend_valid = torch.zeros(B, 0, dtype=torch.bool, device=device)  # [B, Lp]
+        self.pend_pos = torch.zeros(B, 0, dtype=torch.long, device=device)  # [B, Lp]
+        self.pend_anc = torch.zeros(B, 0, 0, dtype=torch.bool, device=device)  # [B, Lp, Lp]
+
+    @classmethod
+    def for_model(cls, model: nn.Module, batch_size: int, device: torch.device) -> KVState:
+        types, window = attention_layout(model.config)
+        return cls(batch_size, device, layer_types=types, sliding_window=window)
+
+    @property
+    def committed_len(self) -> int:
+        return self.valid.shape[1]
+
+    @property
+    def pending_len(self) -> int:
+        return self.pend_valid.shape[1]
+
+    def seq_lengths(self) -> Tensor:
+        """[B] number of real committed entries per row."""
+        return self.valid.sum(-1)
+
+    # ---- extend: register new (pending) tokens and build their mask --------------------------------
+    def extend(self, positions: Tensor, parents: Tensor, valid: Tensor | None = None,
+               dtype: torch.dtype = torch.float32) -> Tensor | dict[str, Tensor]:
+        """Registers n new tokens as pending and returns the attention mask for feeding them.
+
+        Args:
+            positions: [B, n] absolute positions of the new tokens.
+            parents: [B, n] index into the pending segment INCLUDING the new tokens (so new
+                token j may name an earlier new token, index Lp + j' with j' < j) of the token
+                each new token extends; -1 = extends the committed sequence directly (sees all
+                committed entries, no pending ones); -2 = padding (sees only itself).
+            valid: [B, n] bool; False marks padding. Defaults to parents != -2.
+            dtype: float dtype of the additive mask (the model's dtype).
+
+        Returns:
+            [B, 1, n, Lc + Lp + n] additive mask, or {layer_type: mask} for sliding-window models.
+        """
+        B, n = positions.shape
+        Lp = self.pending_len
+        if valid is None:
+            valid = parents != -2
+        valid = valid & (parents != -2)
+        # ancestors-or-self of each new token among pending + new: [B, n, Lp + n]
+        anc_all = torch.zeros(B, Lp + n, Lp + n, dtype=torch.bool, device=positions.device)
+        anc_all[:, :Lp, :Lp] = self.pend_anc
+        rows = torch.arange(B, device=positions.device)
+        for j in range(n):
+            p = parents[:, j]  # [B]
+            has_parent = p >= 0
+            inherited = anc_all[rows, p.clamp(min=0)] & has_parent[:, None]  # [B, Lp + n]
+            inherited[:, Lp + j] = True
+            anc_all[:, Lp + j] = inherited
+        anc_new = anc_all[:, Lp:]  # [B, n, Lp + n]
+        pend_valid = torch.cat([self.pend_valid, valid], 1)  # [B, Lp + n]
+        pend_pos = torch.cat([self.pend_pos, positions], 1)
+        self.pend_valid, self.pend_pos, self.pend_anc = pend_valid, pend_pos, anc_all
+
+        self_only = torch.zeros_like(anc_new)
+        self_only[:, torch.arange(n), Lp + torch.arange(n)] = True
+        see_pend = torch.where(valid[:, :, None], anc_new & pend_valid[:, None, :], self_only)
+        see_comm = self.valid[:, None, :] & valid[:, :, None]  # [B, n, Lc]
+        allowed = torch.cat([see_comm, see_pend], -1)  # [B, n, Lc + Lp + n]
+        key_pos = torch.cat([self.pos, pend_pos], 1)  # [B, Lc + Lp + n]
+        if self.layer_types is None or self.window is None:
+            return _additive(allowed, dtype)
+        near = (positions[:, :, None] - key_pos[:, None, :]) < self.window
+        in_window = allowed & (near | ~valid[:, :, None])
+        masks = {"full_attention": _additive(allowed, dtype), "sliding_attention": _additive(in_window, dtype)}
+        return {t: masks[t] for t in set(self.layer_types)}
+
+    # ---- commit / rollback ------------------------------------------------------------------------
+    def commit(self, keep: Tensor) -> None:
+        """Moves the kept pending entries, per row, into the committed segment.
+
+        Args:
+            keep: [B, m] indices into the pending segment, in order; -1 leaves a hole (a row
+                that keeps fewer entries than another).
+        """
+        Lc, Lp = self.committed_len, self.pending_len
+        B, m = keep.shape
+        device = keep.device
+        idx = torch.cat([torch.arange(Lc, device=device).expand(B, Lc), Lc + keep.clamp(min=0)], 1)
+        for layer in self.cache.layers:
+            if not getattr(layer, "is_initialized", False) or layer.keys.shape[-2] == 0:
+                continue
+            if layer.keys.shape[-2] != Lc + Lp:
+                raise RuntimeError("cache layer length out of sync with KVState (roll back drafts first)")
+            gather = idx[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[-1])
+            layer.keys = layer.keys.gather(2, gather)
+            layer.values = layer.values.gather(2, gather)
+        k = keep.clamp(min=0)
+        kept_valid = (keep >= 0) & self.pend_valid.gather(1, k)
+        self.valid = torch.cat([self.valid, kept_valid], 1)
+        self.pos = torch.cat([self.pos, self.pend_pos.gather(1, k)], 1)
+        self._clear_pending()
+
+    def rollback(self) -> None:
+        """Drops every pending entry (in every layer that holds more than the committed ones)."""
+        Lc = self.committed_len
+        for layer in self.cache.layers:
+            if getattr(layer, "is_initialized", False) and layer.keys.shape[-2] > Lc:
+                layer.keys = layer.keys[:, :, :Lc]
+                layer.values = layer.values[:, :, :Lc]
+        self._clear_pending()
+
+    def _clear_pending(self) -> None:
+        B, device = self.valid.shape[0], self.valid.device
+        self.pend_valid = torch.zeros(B, 0, dtype=torch.bool, device=device)
+        self.pend_pos = torch.zeros(B, 0, dtype=torch.long, device=device)
+        self.pend_anc = torch.zeros(B, 0, 0, dtype=torch.bool, device=device)
+
+
+def _additive(allowed: Tensor, dtype: torch.dtype) -> Tensor:
+    """[B, q, k] bool -> [B, 1, q, k] additive float mask (0 = attend)."""
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+    return mask.masked_fill_(~allowed, torch.finfo(dtype).min)[:, None]
+
+
+def target_forward(model: nn.Module, kv: KVState, input_ids: Tensor, positions: Tensor, parents: Tensor,
+                   *, valid: Tensor | None = None, hidden_ids: list[int] | tuple[int, ...] = ()):
+    """Feeds n new tokens of a tree through an HF causal LM, appending them as pending KV.
+
+    Args:
+        model: an HF causal LM (transformers v5).
+        kv: the model's KVState.
+        input_ids: [B, n] tokens.
+        positions: [B, n] absolute positions.
+        parents: [B, n] see `KVState.extend`.
+        valid: [B, n] optional padding mask.
+        hidden_ids: HF hidden_states indices to return.
+
+    Returns:
+        (logits [B, n, V], {index: hidden [B, n, H]}).
+    """
+    dtype = next(model.parameters()).dtype
+    mask = kv.extend(positions, parents, valid, dtype=dtype)
+    out = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, cache=kv.cache,
+                use_cache=True, output_hidden_states=bool(hidden_ids))
+    hidden = {i: out.hidden_states[i] for i in hidden_ids} if hidden_ids else {}
+    return out.logits, hidden
+
+
+@contextmanager
+def truncated_layers(model: nn.Module, num_layers: int):
+    """Temporarily run only the first `num_layers` decoder layers of an HF causal LM.
+
+    Every v5 decoder-only model loops over `self.layers[: config.num_hidden_layers]`, so swapping
+    in a shorter ModuleList (sharing the same modules) runs a prefix of the stack; the final norm
+    still applies. Attention modules keep their layer_idx, so they read and write cache layers
+    0..num_layers-1 of whatever cache is passed.
+    """
+    base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+    full = base.layers
+    base.layers = nn.ModuleList(list(full)[:num_layers])
+    try:
+        yield model
+    finally:
+        base.layers = full

@@ -1,0 +1,112 @@
+"""Proposers: everything that turns the decoding state into a draft tree, and `load_proposer`.
+
+Registry (spec string -> proposer):
+    "ngram", "ngram:N"        prompt lookup, longest suffix N (NGramProposer)
+    "early-exit:K"            the target's first K layers (EarlyExitProposer)
+    <drafter folder>          drafttrain drafter (config.json "method": eagle3 / eagle1)
+    <HF causal LM path / id>  standalone draft LM with the target's tokenizer (DraftLMProposer)
+A `Proposer` instance passes through; an `EagleDrafter` or an HF causal-LM module is wrapped.
+
+Deliberately not here: drafting logic (one module per family), verification.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from torch import nn
+
+from drafttrain.decode.proposers.base import NodeDrafter, Proposer
+from drafttrain.decode.proposers.draft_lm import DraftLMProposer
+from drafttrain.decode.proposers.eagle import EagleProposer
+from drafttrain.decode.proposers.early_exit import EarlyExitProposer
+from drafttrain.decode.proposers.ngram import NGramProposer
+
+__all__ = ["Proposer", "NodeDrafter", "NGramProposer", "EarlyExitProposer", "DraftLMProposer",
+           "EagleProposer", "load_proposer", "PROPOSERS"]
+
+#: spec prefix -> factory(target, arg, **options)
+PROPOSERS = {
+    "ngram": lambda target, arg, **o: NGramProposer(int(arg) if arg else 3, **o),
+    "early-exit": lambda target, arg, **o: EarlyExitProposer(target, _int_arg("early-exit", arg), **o),
+}
+
+
+def _int_arg(name: str, arg: str | None) -> int:
+    if not arg or not arg.isdigit():
+        raise ValueError(f"proposer spec {name}:K needs an integer K, got {arg!r}")
+    return int(arg)
+
+
+def load_proposer(spec_or_path, target: nn.Module, *, tokenizer=None, **options) -> Proposer:
+    """Builds a proposer from a spec string, a folder, a model or a Proposer.
+
+    Args:
+        spec_or_path: see the module docstring.
+        target: the target model (early exit runs it; drafters are checked against it).
+        tokenizer: the target's tokenizer; when given, a draft LM's vocabulary size is checked.
+        **options: forwarded to the proposer (e.g. gamma=5).
+
+    Returns:
+        A Proposer.
+
+    Raises:
+        ValueError: unknown spec, or a drafter that does not fit the target.
+    """
+    if isinstance(spec_or_path, Proposer):
+        return spec_or_path
+    if isinstance(spec_or_path, nn.Module):
+        return _wrap_module(spec_or_path, target, **options)
+    spec = str(spec_or_path)
+    name, _, arg = spec.partition(":")
+    if name in PROPOSERS and not Path(spec).exists():
+        return PROPOSERS[name](target, arg or None, **options)
+    folder = Path(spec)
+    if (folder / "config.json").is_file():
+        method = _drafter_method(folder / "config.json")
+        if method in ("eagle3", "eagle1"):
+            from drafttrain.models.eagle import load_drafter
+
+            return EagleProposer(load_drafter(folder, target), **options)
+        if method is not None:
+            raise ValueError(f"{folder}: drafter method {method!r} has no proposer yet (known: eagle3, eagle1)")
+    return _load_draft_lm(spec, target, tokenizer, **options)
+
+
+def _drafter_method(config_path: Path) -> str | None:
+    meta = json.loads(config_path.read_text())
+    method = meta.get("method") or (meta.get("drafter") or {}).get("method")
+    return method if isinstance(method, str) else None
+
+
+def _wrap_module(module: nn.Module, target: nn.Module, **options) -> Proposer:
+    from drafttrain.models.eagle import EagleDrafter
+
+    if isinstance(module, EagleDrafter):
+        return EagleProposer(module, **options)
+    _check_vocab(module, target)
+    return DraftLMProposer(module, **options)
+
+
+def _load_draft_lm(spec: str, target: nn.Module, tokenizer, **options) -> Proposer:
+    from transformers import AutoModelForCausalLM
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(spec, dtype=next(target.parameters()).dtype)
+    except (OSError, ValueError) as err:
+        known = ", ".join(f"{k}[:N]" for k in PROPOSERS)
+        raise ValueError(f"cannot load proposer {spec!r}: not one of {known}, a drafter folder, "
+                         f"or a causal LM ({err.__class__.__name__}: {str(err).splitlines()[0]})") from None
+    model.to(next(target.parameters()).device).eval()
+    if tokenizer is not None and model.config.vocab_size < len(tokenizer):
+        raise ValueError(f"draft LM {spec!r} has vocab {model.config.vocab_size} < tokenizer size {len(tokenizer)}")
+    _check_vocab(model, target)
+    return DraftLMProposer(model, **options)
+
+
+def _check_vocab(model: nn.Module, target: nn.Module) -> None:
+    dv = model.get_output_embeddings().weight.shape[0]
+    tv = target.get_output_embeddings().weight.shape[0]
+    if dv != tv:
+        raise ValueError(f"draft LM vocabulary ({dv}) differs from the target's ({tv}): they must share a tokenizer")

@@ -1,0 +1,123 @@
+"""EAGLE-1 / EAGLE-3 feature drafter as a proposer: chains and EAGLE-2 dynamic trees.
+
+Alignment (see drafttrain/models/eagle.py): the drafter's input at position t+1 is
+(feature f_t of token x_t, embedding of x_{t+1}); it predicts x_{t+2} and returns its own
+guess of the next feature, which feeds the next level of the tree. Target features come from
+the target's verification forward (`needs_hidden_states` = the drafter's aux layer ids,
+fused by `drafter.fuse`).
+
+Per row the proposer remembers which token it last read as an input (`read`) and the target
+features it has not used yet. Each step it catches up on the newly accepted tokens with their
+TARGET features (the KV of the drafted nodes, computed from the drafter's own features, is
+rolled back, as in the official implementation), which yields the root's logits; then the
+base class grows the tree. A reduced draft vocabulary is mapped back with `d2t` (target id =
+draft id + d2t[draft id]).
+
+Deliberately not here: training, loading weights (drafttrain.models.eagle), Medusa.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from drafttrain.decode.kv import KVState
+from drafttrain.decode.proposers.base import NodeDrafter, accepted_paths
+
+__all__ = ["EagleProposer"]
+
+
+class EagleProposer(NodeDrafter):
+    """Proposer around an `EagleDrafter` attached to the target.
+
+    Args:
+        drafter: a `drafttrain.models.eagle.EagleDrafter` (attach_target already called).
+        gamma: default chain length.
+    """
+
+    name = "eagle"
+    commit_accepted = False
+
+    def __init__(self, drafter, *, gamma: int = 5):
+        self.drafter, self.default_gamma = drafter, gamma
+        self.needs_hidden_states = tuple(drafter.cfg.aux_layer_ids)
+        self.vocab_size = drafter.cfg.vocab_size
+
+    # ---- features -------------------------------------------------------------------------------
+    def _fused(self, hidden: dict[int, Tensor]) -> Tensor:
+        aux = torch.cat([hidden[i] for i in self.needs_hidden_states], -1)  # [B, T, A*H]
+        p = next(self.drafter.parameters())
+        return self.drafter.fuse(aux.to(p.dtype))  # [B, T, H]
+
+    def prefill(self, state, hidden) -> None:
+        B = state.root.shape[0]
+        self.kv = KVState(B, state.root.device)
+        self.read = [0] * B  # index of the last token read as an input (x_0 never is)
+        self.feats: list[list[Tensor]] = [[] for _ in range(B)]  # unused target features, in order
+        if hidden:
+            fused = self._fused(hidden)  # [B, P-1, H]; row b's real tokens are its last len-1 columns
+            for b, seq in enumerate(state.tokens):
+                n = len(seq) - 1
+                if n > 0:
+                    self.feats[b].append(fused[b, fused.shape[1] - n :])
+
+    def observe(self, state, tree, result, hidden) -> None:
+        self.kv.rollback()  # drafted nodes were built from the drafter's own features
+        fused = self._fused(hidden)  # [B, N, H] target features at the tree nodes
+        for b, path in enumerate(accepted_paths(result)):
+            if bool(state.active[b]) or len(state.tokens[b]) - 1 > self.read[b]:
+                nodes = torch.tensor([0] + path, device=fused.device)
+                self.feats[b].append(fused[b, nodes])
+
+    # ---- NodeDrafter hooks ----------------------------------------------------------------------
+    def _run(self, ids: Tensor, hidden: Tensor, positions: Tensor, parent_slots: Tensor,
+             valid: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        mask = self.kv.extend(positions, parent_slots, valid, dtype=hidden.dtype)
+        return self.drafter(ids, hidden, position_ids=positions, past_key_values=self.kv.cache,
+                            attention_mask=mask)  # (logits [B, n, Vd], hidden_out [B, n, H])
+
+    def _begin(self, state, capacity: int) -> tuple[Tensor, int]:
+        B, device = len(state.tokens), state.root.device
+        H = self.drafter.cfg.hidden_size
+        dtype = next(self.drafter.parameters()).dtype
+        todo = [seq[r + 1 :] for seq, r in zip(state.tokens, self.read)]
+        feats = [torch.cat(f, 0)[-len(t):] if t else None for f, t in zip(self.feats, todo)]
+        m = max(1, max(len(t) for t in todo))
+        ids = torch.zeros(B, m, dtype=torch.long, device=device)
+        hid = torch.zeros(B, m, H, dtype=dtype, device=device)
+        valid = torch.zeros(B, m, dtype=torch.bool, device=device)
+        pos = torch.zeros(B, m, dtype=torch.long, device=device)
+        for b, t in enumerate(todo):
+            if not t:
+                continue
+            n = len(t)
+            ids[b, m - n :] = torch.tensor(t, device=device)
+            hid[b, m - n :] = feats[b]
+            valid[b, m - n :] = True
+            pos[b, m - n :] = torch.arange(self.read[b] + 1, self.read[b] + 1 + n, device=device)
+        col = torch.arange(m, device=device).expand(B, m)
+        parents = torch.where(valid & (col > 0) & valid.roll(1, 1), col - 1, -1)
+        logits, h_out = self._run(ids, hid, pos, parents, valid)
+        self.kv.commit(torch.where(valid, col, -1))
+        self.read = [len(seq) - 1 for seq in state.tokens]
+        self.feats = [[] for _ in range(B)]
+        self._node_hidden = torch.zeros(B, capacity, H, dtype=dtype, device=device)
+        self._node_hidden[:, 0] = h_out[:, -1]
+        return logits[:, -1], -1
+
+    def _feed(self, state, tokens, nodes, parents, parent_slots, positions) -> Tensor:
+        H = self._node_hidden.shape[-1]
+        hid = self._node_hidden.gather(1, parents[:, :, None].expand(-1, -1, H))  # parents' features
+        logits, h_out = self._run(tokens, hid, positions, parent_slots)
+        self._node_hidden.scatter_(1, nodes[:, :, None].expand(-1, -1, H), h_out)
+        return logits
+
+    def _end(self, state, accepted_slots) -> None:  # observe() handles everything
+        pass
+
+    def _draft_to_target(self, ids: Tensor) -> Tensor:
+        return ids + self.drafter.d2t[ids]
+
+    def _probs_to_target(self, q: Tensor) -> Tensor:
+        out = q.new_zeros(*q.shape[:-1], self.vocab_size)
+        return out.scatter_(-1, self.drafter.draft_ids.expand_as(q), q)

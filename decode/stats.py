@@ -1,0 +1,90 @@
+"""Per-call decoding statistics: target forwards, τ, per-position acceptance, time split.
+
+τ = tokens emitted per target forward, bonus token INCLUDED (the EAGLE convention), summed
+over rows: a row counts the verification forwards it was active in. Prefill forwards are
+counted separately and excluded from τ. Acceptance counts come from verification before any
+EOS / max_new_tokens truncation (they measure the drafter, not the stopping rule).
+
+Deliberately not here: aggregation across calls or prompts, plotting, reports (eval/).
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+
+__all__ = ["DecodeStats"]
+
+
+@dataclass
+class DecodeStats:
+    """Counters of one `speculative_generate` call.
+
+    Attributes:
+        target_forwards: batched verification forwards of the target (prefill excluded).
+        prefill_forwards: batched prefill forwards of the target.
+        tokens_emitted: new tokens returned, all rows.
+        row_forwards: verification forwards summed over rows while each row was active.
+        accept_counts: accept_counts[d] = (row, step) pairs whose draft at depth d+1 was accepted.
+        draft_counts: draft_counts[d] = (row, step) pairs that had a draft at depth d+1.
+        time_draft / time_verify / time_prefill / time_other: seconds.
+        per_row_tokens / per_row_forwards: per-row counts.
+    """
+
+    target_forwards: int = 0
+    prefill_forwards: int = 0
+    tokens_emitted: int = 0
+    row_forwards: int = 0
+    accept_counts: list[int] = field(default_factory=list)
+    draft_counts: list[int] = field(default_factory=list)
+    time_draft: float = 0.0
+    time_verify: float = 0.0
+    time_prefill: float = 0.0
+    time_other: float = 0.0
+    per_row_tokens: list[int] = field(default_factory=list)
+    per_row_forwards: list[int] = field(default_factory=list)
+
+    @property
+    def tau(self) -> float:
+        """Tokens emitted per target forward (bonus included)."""
+        return self.tokens_emitted / max(self.row_forwards, 1)
+
+    @property
+    def acceptance_rates(self) -> list[float]:
+        """Per draft position: accepted / drafted."""
+        return [a / d if d else 0.0 for a, d in zip(self.accept_counts, self.draft_counts)]
+
+    @property
+    def time_total(self) -> float:
+        return self.time_draft + self.time_verify + self.time_prefill + self.time_other
+
+    def record_step(self, depth_drafted: list[int], num_accepted: list[int], active: list[bool]) -> None:
+        """Adds one verification step's acceptance, per active row."""
+        self.target_forwards += 1
+        for d, a, on in zip(depth_drafted, num_accepted, active):
+            if not on:
+                continue
+            self.row_forwards += 1
+            need = max(d, a)
+            for lst in (self.accept_counts, self.draft_counts):
+                lst.extend([0] * (need - len(lst)))
+            for k in range(d):
+                self.draft_counts[k] += 1
+            for k in range(a):
+                self.accept_counts[k] += 1
+
+    @contextmanager
+    def timer(self, bucket: str):
+        """Adds the wall time of the block to `time_<bucket>`."""
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            name = f"time_{bucket}"
+            setattr(self, name, getattr(self, name) + time.perf_counter() - t0)
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d.update(tau=self.tau, acceptance_rates=self.acceptance_rates, time_total=self.time_total)
+        return d

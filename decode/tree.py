@@ -1,0 +1,197 @@
+"""Draft trees: the one data structure every proposer returns and verification consumes.
+
+Layout per row (the verification contract): node 0 is the root, the last accepted token (not
+a draft); nodes 1..N-1 are drafts; `parents[b, i] < i`, `parents[b, 0] = -1`, padding nodes
+have parent -2. `draft_probs[b, i]` is the processed draft distribution the children of node i
+were drawn from, or None for a deterministic drafter (argmax / top-k candidates).
+
+Three shapes:
+  * chain: one branch of gamma drafts (`chain_tree`);
+  * static (Medusa-style): a fixed set of rank paths, e.g. ((0,), (1,), (0, 0)) = top-1 and
+    top-2 at depth 1, top-1 below the top-1 (`StaticTree`);
+  * dynamic (EAGLE-2): grown by cumulative draft log-probability, top-k children per node,
+    reranked to a token budget (`DynamicTree`, `rerank_to_budget`).
+
+Deliberately not here: running any model, attention masks (kv.py), acceptance (verify.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "DraftTree",
+    "StaticTree",
+    "DynamicTree",
+    "chain_tree",
+    "root_only",
+    "pad_trees",
+    "node_depths",
+    "rerank_to_budget",
+    "parse_tree",
+]
+
+
+@dataclass
+class DraftTree:
+    """A batch of draft trees.
+
+    Attributes:
+        tokens: [B, N] token ids (node 0 = root).
+        parents: [B, N] parent node ids (-1 root, -2 padding).
+        draft_probs: [B, N, V] float32 or None (deterministic drafts).
+    """
+
+    tokens: Tensor
+    parents: Tensor
+    draft_probs: Tensor | None = None
+
+    @property
+    def size(self) -> int:
+        return self.tokens.shape[1]
+
+    def depths(self) -> Tensor:
+        """[B, N] depth of each node (root 0; padding 0)."""
+        return node_depths(self.parents)
+
+    def without_rows(self, drop: Tensor) -> DraftTree:
+        """Turns every draft of the rows where `drop` [B] is True into padding."""
+        if not bool(drop.any()):
+            return self
+        parents = self.parents.clone()
+        parents[drop, 1:] = -2
+        return DraftTree(self.tokens, parents, self.draft_probs)
+
+
+@dataclass(frozen=True)
+class StaticTree:
+    """A fixed tree of rank paths (Medusa 'choices'); each path names the rank of the child
+    taken at each depth, e.g. (0, 1) = second-best child of the best first draft."""
+
+    choices: tuple[tuple[int, ...], ...]
+
+    def __post_init__(self) -> None:
+        seen = set()
+        for path in sorted(self.choices, key=lambda p: (len(p), p)):
+            if not path or any(r < 0 for r in path):
+                raise ValueError(f"bad tree path {path!r}: need a non-empty tuple of ranks >= 0")
+            if len(path) > 1 and path[:-1] not in seen:
+                raise ValueError(f"tree path {path!r} has no parent path {path[:-1]!r}")
+            seen.add(path)
+
+    @classmethod
+    def of(cls, choices: Sequence[Sequence[int]]) -> StaticTree:
+        return cls(tuple(sorted({tuple(int(r) for r in p) for p in choices}, key=lambda p: (len(p), p))))
+
+    @property
+    def depth(self) -> int:
+        return max(len(p) for p in self.choices)
+
+    def levels(self) -> list[list[tuple[int, ...]]]:
+        """Paths grouped by depth (depth 1 first), each level sorted."""
+        return [[p for p in self.choices if len(p) == d] for d in range(1, self.depth + 1)]
+
+
+@dataclass(frozen=True)
+class DynamicTree:
+    """EAGLE-2 dynamic tree settings (CPU-friendly defaults; the paper's GPU ones are
+    depth 7 / top_k 10 / budget 60)."""
+
+    depth: int = 5
+    top_k: int = 4
+    budget: int = 16
+
+
+def parse_tree(tree) -> StaticTree | DynamicTree | None:
+    """Normalises the `tree=` argument: None (chain), "dynamic", a DynamicTree, a StaticTree, or
+    a list of rank paths."""
+    if tree is None or isinstance(tree, (StaticTree, DynamicTree)):
+        return tree
+    if isinstance(tree, str):
+        if tree == "dynamic":
+            return DynamicTree()
+        raise ValueError(f"unknown tree {tree!r}; expected 'dynamic', a DynamicTree or a list of rank paths")
+    if isinstance(tree, dict):
+        return DynamicTree(**tree)
+    return StaticTree.of(tree)
+
+
+def node_depths(parents: Tensor) -> Tensor:
+    """[B, N] parents -> [B, N] depths (parents precede children, so one pass suffices)."""
+    B, N = parents.shape
+    depth = torch.zeros(B, N, dtype=torch.long, device=parents.device)
+    for i in range(1, N):
+        p = parents[:, i]
+        depth[:, i] = torch.where(p >= 0, depth.gather(1, p.clamp(min=0)[:, None])[:, 0] + 1, 0)
+    return depth
+
+
+def chain_tree(root: Tensor, drafts: Tensor, draft_probs: Tensor | None = None) -> DraftTree:
+    """A chain: root -> drafts[:, 0] -> ... -> drafts[:, -1].
+
+    Args:
+        root: [B] last accepted tokens.
+        drafts: [B, g] drafted tokens.
+        draft_probs: [B, g, V] distribution each draft was drawn from, or None.
+    """
+    B, g = drafts.shape
+    tokens = torch.cat([root[:, None], drafts], 1)  # [B, g + 1]
+    parents = torch.arange(-1, g, device=root.device).expand(B, g + 1).clone()
+    probs = None
+    if draft_probs is not None:
+        # node i's children were drawn from draft_probs[:, i]; the last draft has no children
+        probs = torch.cat([draft_probs, torch.zeros_like(draft_probs[:, :1])], 1)  # [B, g + 1, V]
+    return DraftTree(tokens, parents, probs)
+
+
+def root_only(root: Tensor) -> DraftTree:
+    """A tree without drafts (target-only decoding)."""
+    return DraftTree(root[:, None], torch.full_like(root[:, None], -1), None)
+
+
+def pad_trees(rows: list[tuple[list[int], list[int]]], device: torch.device) -> DraftTree:
+    """Stacks per-row (tokens, parents) lists of different sizes, padding with parent -2."""
+    N = max(len(t) for t, _ in rows)
+    tokens = torch.zeros(len(rows), N, dtype=torch.long)
+    parents = torch.full((len(rows), N), -2, dtype=torch.long)
+    for b, (t, p) in enumerate(rows):
+        tokens[b, : len(t)] = torch.tensor(t, dtype=torch.long)
+        parents[b, : len(p)] = torch.tensor(p, dtype=torch.long)
+    return DraftTree(tokens.to(device), parents.to(device), None)
+
+
+def rerank_to_budget(scores: Tensor, parents: Tensor, budget: int) -> tuple[Tensor, Tensor]:
+    """EAGLE-2 rerank: keep the `budget` candidates with the highest cumulative log-probability.
+
+    A child's cumulative log-prob never exceeds its parent's, so the top set is closed under
+    ancestors once ties are broken towards shallower nodes (earlier index: candidates are
+    stored level by level).
+
+    Args:
+        scores: [B, M] cumulative draft log-probs of the candidate nodes (-inf = not a node).
+        parents: [B, M] parent candidate index (-1 = child of the root).
+        budget: number of drafts to keep (excluding the root).
+
+    Returns:
+        (keep [B, K] candidate indices sorted ascending (so parents precede children),
+         new_parents [B, K + 1] tree parents with node 0 = root, -2 for padding).
+    """
+    B, M = scores.shape
+    K = min(budget, M)
+    # stable tie-break towards the earlier (shallower) candidate
+    tiebreak = torch.arange(M, device=scores.device, dtype=torch.float64) * 1e-9
+    key = scores.double() - tiebreak
+    keep = key.topk(K, dim=1).indices.sort(dim=1).values  # [B, K]
+    kept_ok = torch.isfinite(scores.gather(1, keep))  # [B, K]
+    # candidate index -> new node id (1 + slot), for remapping parents
+    slot = torch.full((B, M), -1, dtype=torch.long, device=scores.device)
+    slot.scatter_(1, keep, torch.arange(1, K + 1, device=scores.device).expand(B, K))
+    old_parent = parents.gather(1, keep)  # [B, K]
+    new_parent = torch.where(old_parent >= 0, slot.gather(1, old_parent.clamp(min=0)), 0)
+    new_parent = torch.where(kept_ok & (new_parent >= 0), new_parent, -2)
+    root = torch.full((B, 1), -1, dtype=torch.long, device=scores.device)
+    return keep, torch.cat([root, new_parent], 1)

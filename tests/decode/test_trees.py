@@ -1,0 +1,139 @@
+"""Draft trees and tree attention: layouts, EAGLE-2 reranking, and a tree forward that gives each
+node exactly the logits a plain forward of its own path gives (Llama, Qwen3, Gemma 3 with a
+sliding window of 8 crossed by the prompt).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from drafttrain.decode import load_proposer, speculative_generate
+from drafttrain.decode.kv import KVState, target_forward
+from drafttrain.decode.tree import (
+    StaticTree,
+    chain_tree,
+    node_depths,
+    pad_trees,
+    parse_tree,
+    rerank_to_budget,
+)
+from drafttrain.testing import tiny_target
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@functools.cache
+def target(family: str):
+    return tiny_target(family)
+
+
+def test_chain_tree_layout():
+    tree = chain_tree(torch.tensor([7, 8]), torch.tensor([[1, 2, 3], [4, 5, 6]]), torch.rand(2, 3, 11))
+    assert tree.tokens.tolist() == [[7, 1, 2, 3], [8, 4, 5, 6]]
+    assert tree.parents.tolist() == [[-1, 0, 1, 2]] * 2
+    assert tree.draft_probs.shape == (2, 4, 11) and bool((tree.draft_probs[:, -1] == 0).all())
+    assert tree.depths().tolist() == [[0, 1, 2, 3]] * 2
+
+
+def test_pad_trees_and_depths():
+    tree = pad_trees([([5, 1, 2], [-1, 0, 0]), ([6], [-1])], torch.device("cpu"))
+    assert tree.parents.tolist() == [[-1, 0, 0], [-1, -2, -2]]
+    assert node_depths(torch.tensor([[-1, 0, 1, 0, 3]])).tolist() == [[0, 1, 2, 1, 2]]
+
+
+def test_static_tree_rejects_orphan_paths():
+    with pytest.raises(ValueError, match="no parent path"):
+        StaticTree.of([(0,), (1, 0)])
+    spec = parse_tree([(0, 0), (0,), (1,)])
+    assert spec.levels() == [[(0,), (1,)], [(0, 0)]]
+    with pytest.raises(ValueError, match="unknown tree"):
+        parse_tree("bushy")
+
+
+@settings(max_examples=15, deadline=None)
+@given(seed=st.integers(0, 10_000), budget=st.integers(1, 12))
+def test_rerank_keeps_a_closed_topological_tree(seed, budget):
+    g = torch.Generator().manual_seed(seed)
+    M = 20
+    parents = torch.tensor([-1] * 4 + [int(torch.randint(0, i, (1,), generator=g)) for i in range(4, M)])
+    step = -torch.rand(M, generator=g).double()  # log-probs <= 0
+    scores = torch.zeros(M, dtype=torch.float64)
+    for i in range(M):
+        scores[i] = step[i] + (scores[parents[i]] if parents[i] >= 0 else 0)
+    keep, new_parents = rerank_to_budget(scores[None], parents[None], budget)
+    kept = keep[0].tolist()
+    assert len(kept) == min(budget, M)
+    # the kept set is the top-budget by score, and every kept node's parent is kept
+    assert sorted(kept) == sorted(scores.topk(len(kept)).indices.tolist())
+    for slot, c in enumerate(kept, start=1):
+        p = int(parents[c])
+        assert (p == -1 and new_parents[0, slot] == 0) or (new_parents[0, slot] == 1 + kept.index(p))
+        assert int(new_parents[0, slot]) < slot
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3"])
+def test_tree_forward_matches_path_forwards(family):
+    model = target(family)
+    prefix = torch.randint(3, 257, (1, 13), generator=torch.Generator().manual_seed(0))  # > window 8
+    # tree: root 0 -> 1 -> 3 -> 5, root -> 2 -> 4, 1 -> 6
+    toks = torch.tensor([[40, 41, 42, 43, 44, 45, 46]])
+    parents = torch.tensor([[-1, 0, 0, 1, 2, 3, 1]])
+    kv = KVState.for_model(model, 1, torch.device("cpu"))
+    L = prefix.shape[1]
+    col = torch.arange(L)[None]
+    target_forward(model, kv, prefix, col, col - 1)
+    kv.commit(col)
+    depth = node_depths(parents)
+    logits, _ = target_forward(model, kv, toks, L + depth, parents)
+    for node in range(toks.shape[1]):
+        path = [node]
+        while parents[0, path[-1]] > 0:
+            path.append(int(parents[0, path[-1]]))
+        path = [0] + path[::-1] if node else [0]
+        seq = torch.cat([prefix, toks[:, path]], 1)
+        want = model(seq).logits[0, -1]
+        torch.testing.assert_close(logits[0, node], want, atol=1e-4, rtol=1e-4)
+
+
+def test_commit_keeps_only_the_accepted_path(family="gemma3"):
+    model = target(family)
+    prefix = torch.randint(3, 257, (2, 10), generator=torch.Generator().manual_seed(1))
+    kv = KVState.for_model(model, 2, torch.device("cpu"))
+    col = torch.arange(9).expand(2, -1)
+    target_forward(model, kv, prefix[:, :9], col, col - 1)
+    kv.commit(col)
+    # a 3-node chain after the root; row 0 keeps root + 2 drafts, row 1 keeps only the root
+    toks = torch.cat([prefix[:, 9:], torch.tensor([[50, 51, 52], [60, 61, 62]])], 1)
+    parents = torch.tensor([[-1, 0, 1, 2]] * 2)
+    target_forward(model, kv, toks, 9 + node_depths(parents), parents)
+    kv.commit(torch.tensor([[0, 1, 2], [0, -1, -1]]))
+    assert kv.seq_lengths().tolist() == [12, 10]
+    assert all(layer.keys.shape[2] == 12 for layer in kv.cache.layers)
+    # next token for each row sees exactly its own history
+    nxt = torch.tensor([[53], [63]])
+    logits, _ = target_forward(model, kv, nxt, torch.tensor([[12], [10]]), torch.tensor([[-1], [-1]]))
+    want0 = model(torch.cat([prefix[:1], toks[:1, 1:3], nxt[:1]], 1)).logits[0, -1]
+    want1 = model(torch.cat([prefix[1:], nxt[1:]], 1)).logits[0, -1]
+    torch.testing.assert_close(logits[0, 0], want0, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(logits[1, 0], want1, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("tree,tau", [([(0,), (1,), (0, 0), (0, 0, 0), (0, 1)], 4.0), ([(0,)], 2.0)])
+def test_self_drafting_static_tree_accepts_the_top1_branch(tree, tau):
+    """Draft LM = the target itself: the top-1 branch of any static tree is always accepted."""
+    model = target("gemma3")
+    ids = torch.randint(3, 257, (1, 12), generator=torch.Generator().manual_seed(2))
+    out = speculative_generate(model, load_proposer(model, model), ids, max_new_tokens=16, tree=tree,
+                               eos_token_id=[])
+    assert out.stats.tau == pytest.approx(tau)
