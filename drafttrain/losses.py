@@ -35,7 +35,7 @@ def _shift(x: Tensor, k: int, fill=0) -> Tensor:
 
 
 def eagle3_loss(drafter, target, batch: dict[str, Tensor], feats: dict[str, Tensor], *, steps: int,
-                step_weight: float) -> tuple[Tensor, dict]:
+                step_weight: float, mask_out_of_vocab: bool = True) -> tuple[Tensor, dict]:
     """Returns (scalar loss, metrics with per-step acc / counts and run lengths)."""
     input_ids, attn, loss_mask = batch["input_ids"], batch["attention_mask"].bool(), batch["loss_mask"].bool()
     B, T = input_ids.shape
@@ -45,7 +45,10 @@ def eagle3_loss(drafter, target, batch: dict[str, Tensor], feats: dict[str, Tens
         t_logits = teacher_draft_logits(target, feats["final"], draft_ids)  # [B, T, Vd]
         t_probs = torch.softmax(t_logits, dim=-1)
         t_top = t_logits.argmax(-1)  # [B, T] (draft ids)
-        in_vocab = teacher_in_vocab(target, feats["final"], raw.t2d)  # [B, T]
+        if mask_out_of_vocab:
+            in_vocab = teacher_in_vocab(target, feats["final"], raw.t2d)  # [B, T]
+        else:  # cheaper: train every position on the teacher renormalised over the draft vocab
+            in_vocab = torch.ones_like(attn)
     ids_ext = torch.cat([input_ids, input_ids.new_zeros(B, steps + 1)], dim=1)
     outs = drafter(ids_ext, feats["aux"].to(raw.fc.weight.dtype), ttt_steps=steps, valid=attn)
     total = outs[0][0].new_zeros((), dtype=torch.float32)

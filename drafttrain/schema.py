@@ -18,6 +18,7 @@ METHODS = ("eagle3", "eagle1")
 class DrafterSettings:
     draft_vocab_size: int = field_(32000, help="EAGLE-3 reduced draft vocabulary (most frequent loss-masked tokens); 0 = full target vocab")
     aux_layer_ids: list[int] = field_(default_factory=list, help="target hidden_states indices fused by EAGLE-3 (0 = embeddings, j = output of layer j-1); empty = {2, N/2, N-3}")
+    mask_out_of_vocab: bool = field_(True, help="EAGLE-3: drop positions whose target argmax is outside the draft vocab (costs one full-vocab LM-head pass per token)")
     ttt_steps: int = field_(7, help="EAGLE-3 training-time-test unroll length")
     step_weight: float = field_(0.8, help="loss weight decay per unroll step (weight = step_weight**k)")
     feature_weight: float = field_(1.0, help="EAGLE-1 SmoothL1 feature-regression weight")

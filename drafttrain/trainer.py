@@ -160,7 +160,8 @@ def loss_step(cfg: TrainConfig, drafter, target, batch: dict, feats: dict):
 
     d = cfg.drafter
     if cfg.method == "eagle3":
-        return eagle3_loss(drafter, target, batch, feats, steps=d.ttt_steps, step_weight=d.step_weight)
+        return eagle3_loss(drafter, target, batch, feats, steps=d.ttt_steps, step_weight=d.step_weight,
+                           mask_out_of_vocab=d.mask_out_of_vocab)
     return eagle1_loss(drafter, target, batch, feats, feature_weight=d.feature_weight, ce_weight=d.ce_weight,
                        noise=d.noise)
 
