@@ -28,7 +28,7 @@ from drafttrain.decode.kv import KVState, target_forward
 from drafttrain.decode.proposers.base import Proposer
 from drafttrain.decode.stats import DecodeStats
 from drafttrain.decode.tree import DraftTree, DynamicTree, StaticTree, parse_tree, root_only
-from drafttrain.decode.verify import VerifyResult, verify_tree
+from drafttrain.decode.verify import VerifyResult, verify_greedy_ids, verify_tree
 
 __all__ = ["DecodeState", "GenerateOutput", "speculative_generate"]
 
@@ -49,6 +49,8 @@ class DecodeState:
         gamma: chain length requested by the caller (None: the proposer's default).
         tree: None (chain), StaticTree or DynamicTree.
         options: extra keyword options passed to speculative_generate.
+        greedy_head: "argmax" (fused LM-head argmax, no logits) or "logits" (the model's own
+            forward) for greedy verification.
     """
 
     target: nn.Module
@@ -64,6 +66,7 @@ class DecodeState:
     gamma: int | None = None
     tree: StaticTree | DynamicTree | None = None
     options: dict | None = None
+    greedy_head: str = "argmax"
 
 
 @dataclass
@@ -101,7 +104,7 @@ def prefill(state: DecodeState, input_ids: Tensor, attention_mask: Tensor, propo
         parents = torch.where(col > 0, col - 1, -1)  # causal chain; padding masked by `valid`
         with stats.timer("prefill"):
             _, hidden = target_forward(state.target, state.kv, ids, positions, parents, valid=valid,
-                                       hidden_ids=hidden_ids)
+                                       hidden_ids=hidden_ids, head="none")  # prompt logits: unused
             state.kv.commit(torch.where(valid, col, -1))
         stats.prefill_forwards += 1
     if proposer is not None:
@@ -125,9 +128,14 @@ def verify(state: DecodeState, tree: DraftTree, proposer: Proposer | None, seed:
     positions = state.root_pos[:, None] + tree.depths()  # [B, N]
     node_parents = torch.where(tree.parents >= 0, state.kv.pending_len + tree.parents, tree.parents)
     hidden_ids = tuple(proposer.needs_hidden_states) if proposer is not None else ()
+    if state.temperature == 0 and state.greedy_head == "argmax":
+        # Greedy: the target's choice at each node, from the fused LM-head argmax (no logits).
+        top, hidden = target_forward(state.target, state.kv, tree.tokens, positions, node_parents,
+                                     hidden_ids=hidden_ids, head="argmax")  # [B, N]
+        return verify_greedy_ids(top, tree.tokens, tree.parents), hidden
     logits, hidden = target_forward(state.target, state.kv, tree.tokens, positions, node_parents,
                                     hidden_ids=hidden_ids)  # logits [B, N, V]
-    result = verify_tree(logits.float(), tree.tokens, tree.parents, tree.draft_probs,
+    result = verify_tree(logits, tree.tokens, tree.parents, tree.draft_probs,
                          temperature=state.temperature, top_k=state.top_k, top_p=state.top_p,
                          generator=state.generator, seed=seed, positions=positions)
     return result, hidden
@@ -177,7 +185,7 @@ def speculative_generate(target: nn.Module, proposer: Proposer | None, input_ids
                          temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                          seed: int | None = None, eos_token_id: int | list[int] | None = None,
                          gamma: int | None = None, tree=None, generator: torch.Generator | None = None,
-                         **opts) -> GenerateOutput:
+                         greedy_head: str = "argmax", **opts) -> GenerateOutput:
     """Lossless speculative decoding of a batch of prompts.
 
     Args:
@@ -196,6 +204,8 @@ def speculative_generate(target: nn.Module, proposer: Proposer | None, input_ids
         tree: None (chain), "dynamic" / DynamicTree (EAGLE-2), or a list of rank paths (static).
         generator: optional torch.Generator for the random draws (ignored for verification when
             `seed` is given).
+        greedy_head: "argmax" verifies greedy steps from the fused LM-head argmax (kernels/greedy.py,
+            Triton on CUDA) without materialising logits; "logits" uses the model's own forward.
         **opts: kept in `state.options` for proposers.
 
     Returns:
@@ -220,6 +230,7 @@ def speculative_generate(target: nn.Module, proposer: Proposer | None, input_ids
         root=input_ids[:, -1].clone(), root_pos=torch.tensor([len(t) - 1 for t in tokens], device=device),
         active=torch.ones(B, dtype=torch.bool, device=device), temperature=float(temperature),
         top_k=top_k, top_p=top_p, generator=generator, gamma=gamma, tree=parse_tree(tree), options=opts,
+        greedy_head=greedy_head,
     )
     stats = DecodeStats(per_row_tokens=[0] * B, per_row_forwards=[0] * B)
     out: list[list[int]] = [[] for _ in range(B)]

@@ -183,7 +183,8 @@ def _additive(allowed: Tensor, dtype: torch.dtype) -> Tensor:
 
 
 def target_forward(model: nn.Module, kv: KVState, input_ids: Tensor, positions: Tensor, parents: Tensor,
-                   *, valid: Tensor | None = None, hidden_ids: list[int] | tuple[int, ...] = ()):
+                   *, valid: Tensor | None = None, hidden_ids: list[int] | tuple[int, ...] = (),
+                   head: str = "logits"):
     """Feeds n new tokens of a tree through an HF causal LM, appending them as pending KV.
 
     Args:
@@ -194,16 +195,37 @@ def target_forward(model: nn.Module, kv: KVState, input_ids: Tensor, positions: 
         parents: [B, n] see `KVState.extend`.
         valid: [B, n] optional padding mask.
         hidden_ids: HF hidden_states indices to return.
+        head: "logits" (the model's own full forward), "argmax" (decoder body, then the fused
+            LM-head argmax of kernels/greedy.py: never materialises [B, n, V] logits) or "none"
+            (decoder body only, e.g. for prefill, whose logits nobody reads).
 
     Returns:
-        (logits [B, n, V], {index: hidden [B, n, H]}).
+        (logits [B, n, V] | argmax ids [B, n] | None, {index: hidden [B, n, H]}).
     """
     dtype = next(model.parameters()).dtype
     mask = kv.extend(positions, parents, valid, dtype=dtype)
-    out = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, cache=kv.cache,
-                use_cache=True, output_hidden_states=bool(hidden_ids))
+    head_module = model.get_output_embeddings()
+    if head != "logits" and getattr(head_module, "bias", None) is not None:
+        head = "logits" if head == "argmax" else head  # a biased head: keep the model's own path
+    kwargs = dict(input_ids=input_ids, attention_mask=mask, position_ids=positions, cache=kv.cache,
+                  use_cache=True, output_hidden_states=bool(hidden_ids))
+    if head == "logits":
+        out = model(**kwargs)
+        result = out.logits
+    else:
+        body = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+        out = body(**kwargs)
+        result = None
+        if head == "argmax":
+            # Positive logit scales and tanh soft caps are monotone: argmax(h @ W^T) is the
+            # model's greedy token.
+            from drafttrain.decode.kernels.greedy import greedy_lm_head_argmax
+
+            last = out.last_hidden_state  # [B, n, H]
+            flat = last.reshape(-1, last.shape[-1])
+            result = greedy_lm_head_argmax(flat, head_module.weight).view(last.shape[:2])
     hidden = {i: out.hidden_states[i] for i in hidden_ids} if hidden_ids else {}
-    return out.logits, hidden
+    return result, hidden
 
 
 @contextmanager

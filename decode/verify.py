@@ -189,7 +189,12 @@ def verify_greedy_ref(target_logits: Tensor, tokens: Tensor, parents: Tensor) ->
     Returns:
         VerifyResult.
     """
-    top = target_logits.argmax(dim=-1)  # [B, N] target's choice after each node
+    return verify_greedy_ids(target_logits.argmax(dim=-1), tokens, parents)
+
+
+def verify_greedy_ids(top: Tensor, tokens: Tensor, parents: Tensor) -> VerifyResult:
+    """Greedy verification from the target's argmax at each node (`top` [B, N] long), e.g. from
+    the fused LM-head argmax kernel, which never materialises the logits."""
     par = parents.clamp_min(0)
     # a draft matches when it equals the target's choice at its parent
     match = (parents >= 0) & (tokens == top.gather(1, par))  # [B, N]

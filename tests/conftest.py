@@ -17,3 +17,14 @@ os.environ.setdefault("WANDB_MODE", "disabled")
 def family(request) -> str:
     """Three target families: Llama, Qwen3 (q/k norms) and Gemma 3 (sliding window, scaled embeddings)."""
     return request.param
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _one_thread():
+    """Tiny models run 10-30x faster on one thread than with two threads fighting on a 2-core box."""
+    import torch
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
