@@ -17,6 +17,8 @@ commands:
   train     train a drafter            (drafttrain train recipe=eagle train.max_steps=100)
   prepare   cache target features      (drafttrain prepare recipe=eagle features.mode=offline)
   recipes   list the shipped recipes
+  export    drafter -> hf|vllm|sglang  (drafttrain export runs/eagle/drafter --format vllm --out out/vllm)
+  eval      measure drafters           (drafttrain eval proposers=ngram,early-exit:6 bench=mtbench)
 
 Every command takes --help. `accelerate launch drafttrain/train.py recipe=eagle ...` is the same
 as `drafttrain train` under Accelerate.
@@ -27,10 +29,12 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from drafttrain.config import ConfigError
     from drafttrain.data import DataError
     from drafttrain.drafter_io import DrafterMismatchError
+    from drafttrain.export import ExportError
     from drafttrain.targets import TargetError
     from drafttrain.trainer import TrainingError
 
-    return (ConfigError, DataError, TargetError, DrafterMismatchError, TrainingError, FileNotFoundError)
+    return (ConfigError, DataError, TargetError, DrafterMismatchError, TrainingError, FileNotFoundError,
+            ExportError)
 
 
 def run_guarded(fn, *args) -> int:
@@ -105,8 +109,38 @@ def cmd_recipes(argv: list[str]) -> None:
         print(f"  {p.stem:<12} {first}")
 
 
-COMMANDS = {"train": cmd_train, "prepare": cmd_prepare, "recipes": cmd_recipes}
-HELP = {"train": _train_help, "prepare": lambda: "usage: drafttrain prepare recipe=NAME [key=value ...]\n\n"
+def cmd_eval(argv: list[str]) -> None:
+    from drafttrain.config import parse_args
+    from drafttrain.eval import EvalConfig, run_eval
+    from drafttrain.eval.report import markdown
+
+    cfg = parse_args(argv, EvalConfig)
+    results = run_eval(cfg)
+    print(markdown(results))
+    print(f"report: {cfg.output_dir}/results.json, results.md, tokens.jsonl, {len(results['files']['plots'])} plots")
+
+
+def _eval_help() -> str:
+    from drafttrain.config import format_help
+    from drafttrain.eval import EvalConfig
+
+    return format_help(EvalConfig, "usage: drafttrain eval [key=value ...]\n\nkeys (default, meaning):")
+
+
+def _export_command():
+    from drafttrain.export import command
+
+    return command
+
+
+def cmd_export(argv: list[str]) -> None:
+    _export_command().cmd_export(argv)
+
+
+COMMANDS = {"train": cmd_train, "prepare": cmd_prepare, "recipes": cmd_recipes, "eval": cmd_eval,
+            "export": cmd_export}
+HELP = {"train": _train_help, "eval": _eval_help,
+        "export": lambda: _export_command().HELP, "prepare": lambda: "usage: drafttrain prepare recipe=NAME [key=value ...]\n\n"
         "Computes the target features the recipe needs for every training record and writes them to\n"
         "features.cache_dir (default <output_dir>/features) in bf16 shards. Resumable: a killed run\n"
         "continues at the first missing shard. Then train with features.mode=offline.\n\n" + _train_help()}

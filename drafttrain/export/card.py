@@ -1,0 +1,187 @@
+"""The exported drafter's model card (README.md), and the reader for `drafttrain eval` results.
+
+The card states the base model and revision, the method and its settings, the training data and
+its size, the aux layers (ours and the engine's numbering), the draft vocabulary, the measured τ /
+speedup table with machine and settings when an eval results.json is found (next to the drafter
+or given with --results), and serve commands for vLLM and SGLang. Everything goes through
+`security.scrub_text`.
+
+What it does not do: measure anything. Without eval results the card says so and shows only the
+training run's held-out *simulated* τ.
+
+Results read: `drafttrain eval`'s results.json (schema_version 1, documented in
+eval/report.py: `benchmark.name`, `machine`, `config`, `runs[].temperature`,
+`runs[].methods.{name}.tau` and `.speedup.vs_target`), and, tolerantly, a flat form {"results":
+[{"proposer", "benchmark", "temperature", "tau", "speedup"}], "machine", "settings"} or a bare
+list of such rows (`method` / `mean_accepted` / `dataset` accepted as aliases).
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+from pathlib import Path
+
+from drafttrain.export import ExportError
+from drafttrain.export.security import scrub_text
+
+RESULTS_NAMES = ("results.json", "eval/results.json", "eval_results.json")
+
+
+def find_results(drafter: str | Path, explicit: str | Path | None = None) -> Path | None:
+    """The eval results.json to put in the card: `explicit`, else one next to the drafter."""
+    if explicit:
+        p = Path(explicit)
+        if not p.is_file():
+            raise ExportError(f"--results {p} does not exist")
+        return p
+    d = Path(drafter)
+    for base in (d, d.parent):
+        for name in RESULTS_NAMES:
+            if (base / name).is_file():
+                return base / name
+    return None
+
+
+def _first(row: dict, *names: str, default=None):
+    return next((row[n] for n in names if n in row and row[n] is not None), default)
+
+
+def read_results(path: str | Path) -> dict:
+    """Normalise a results.json into {"rows": [...], "machine": str, "settings": dict}."""
+    try:
+        raw = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ExportError(f"cannot read eval results {path}: {e}") from e
+    if isinstance(raw, dict) and isinstance(raw.get("runs"), list):
+        return _read_eval_report(raw)
+    rows_in = raw if isinstance(raw, list) else raw.get("results", raw.get("rows", []))
+    rows = []
+    for r in rows_in if isinstance(rows_in, list) else []:
+        if not isinstance(r, dict):
+            continue
+        rows.append({
+            "proposer": _first(r, "proposer", "method", "name", default="?"),
+            "benchmark": _first(r, "benchmark", "dataset", "bench", default="?"),
+            "temperature": _first(r, "temperature", "temp", default=""),
+            "tau": _first(r, "tau", "mean_accepted", "tokens_per_forward"),
+            "speedup": _first(r, "speedup", "speedup_vs_baseline"),
+        })
+    machine = raw.get("machine", "") if isinstance(raw, dict) else ""
+    if isinstance(machine, dict):
+        machine = ", ".join(f"{k}: {v}" for k, v in machine.items())
+    settings = raw.get("settings", {}) if isinstance(raw, dict) else {}
+    return {"rows": rows, "machine": str(machine), "settings": settings if isinstance(settings, dict) else {}}
+
+
+def _read_eval_report(raw: dict) -> dict:
+    """`drafttrain eval` results.json (schema_version 1) -> the card's rows."""
+    bench = (raw.get("benchmark") or {}).get("name", "?")
+    rows = []
+    for run in raw["runs"]:
+        for name, m in (run.get("methods") or {}).items():
+            speed = m.get("speedup")
+            rows.append({"proposer": name, "benchmark": bench, "temperature": run.get("temperature", ""),
+                         "tau": m.get("tau"),
+                         "speedup": speed.get("vs_target") if isinstance(speed, dict) else speed})
+    machine = raw.get("machine", "")
+    if isinstance(machine, dict):
+        machine = ", ".join(f"{k}: {v}" for k, v in machine.items())
+    cfg = raw.get("config") or {}
+    settings = {k: cfg[k] for k in ("max_new_tokens", "batch_size", "num_prompts", "dtype", "device") if k in cfg}
+    settings["batch_size"] = settings.get("batch_size", raw["runs"][0].get("batch_size", "")) if raw["runs"] else ""
+    return {"rows": rows, "machine": str(machine), "settings": settings}
+
+
+def _num(v, fmt: str) -> str:
+    return format(v, fmt) if isinstance(v, (int, float)) else ("" if v is None else str(v))
+
+
+def results_table(res: dict) -> str:
+    lines = ["| proposer | benchmark | temperature | τ | speedup |", "|---|---|---|---|---|"]
+    for r in res["rows"]:
+        speed = _num(r["speedup"], ".2f")
+        lines.append(f"| {r['proposer']} | {r['benchmark']} | {r['temperature']} | {_num(r['tau'], '.2f')} | "
+                     f"{speed + '×' if speed else ''} |")
+    return "\n".join(lines)
+
+
+def serve_commands(meta: dict, *, model_ref: str, verifier: str, fmt: str, trust_remote_code: bool) -> str:
+    """vLLM and SGLang launch lines for this drafter (`model_ref`: Hub repo id or folder)."""
+    method = meta.get("method", "eagle3")
+    trc = " --trust-remote-code" if trust_remote_code else ""
+    v, m = shlex.quote(verifier), shlex.quote(model_ref)
+    if method == "eagle3":
+        spec = json.dumps({"method": "eagle3", "model": model_ref, "num_speculative_tokens": 3})
+        vllm = f"vllm serve {v}{trc} --speculative-config {shlex.quote(spec)}"
+        sglang = (f"python -m sglang.launch_server --model-path {v}{trc} --speculative-algorithm EAGLE3 "
+                  f"--speculative-draft-model-path {m} --speculative-num-steps 3 --speculative-eagle-topk 4 "
+                  "--speculative-num-draft-tokens 8")
+        # Each engine numbers aux layers differently (SGLang = vLLM - 1): a folder serves only its own engine.
+        if fmt == "vllm":
+            vllm = f"# the speculators config names the verifier, so this alone works:\nvllm serve {m}{trc}\n# or explicitly:\n{vllm}"
+        else:
+            vllm = f"# export with `drafttrain export DRAFTER --format vllm --out DIR` first, then (model = DIR):\n{vllm}"
+        if fmt != "sglang":
+            sglang = f"# export with `drafttrain export DRAFTER --format sglang --out DIR` first, then (draft = DIR):\n{sglang}"
+        return f"vLLM:\n\n```bash\n{vllm}\n```\n\nSGLang:\n\n```bash\n{sglang}\n```\n"
+    spec = json.dumps({"method": "eagle", "model": model_ref, "num_speculative_tokens": 3})
+    return (f"vLLM (EAGLE-1 layout from `--format vllm`):\n\n```bash\nvllm serve {v}{trc} --speculative-config "
+            f"{shlex.quote(spec)}\n```\n\nSGLang: not exported for EAGLE-1 by drafttrain yet.\n")
+
+
+def render_card(meta: dict, *, fmt: str, model_ref: str, verifier: str | None = None,
+                results: dict | None = None, engine_aux: tuple[str, list[int]] | None = None) -> str:
+    """The README.md for an exported drafter. `engine_aux` = (engine name, its aux ids) if different."""
+    t = meta.get("target", {})
+    tr = meta.get("training", {}) or {}
+    dr, ts, data = tr.get("drafter", {}) or {}, tr.get("train", {}) or {}, tr.get("data", {}) or {}
+    metrics = meta.get("metrics", {}) or {}
+    method = meta.get("method", "drafter")
+    base = verifier or t.get("spec", "")
+    aux = meta.get("aux_layer_ids")
+    aux_line = f"- aux layers: {aux} (HF `hidden_states` indices: 0 = embeddings, j = output of layer j-1)"
+    if engine_aux:
+        aux_line += f"; in {engine_aux[0]}'s numbering: {engine_aux[1]}"
+    settings = {k: dr[k] for k in ("draft_vocab_size", "ttt_steps", "step_weight", "feature_weight", "ce_weight",
+                                   "noise", "mask_out_of_vocab") if k in dr}
+    settings.update({f"train.{k}": ts[k] for k in ("lr", "batch_size", "grad_accum", "max_steps", "epochs",
+                                                   "warmup_steps", "grad_clip") if k in ts})
+    settings_txt = ", ".join(f"{k}={v}" for k, v in settings.items()) or "see config.json"
+    data_txt = data.get("path") or data.get("name") or meta.get("data_summary", "") or "see config.json"
+    size = [f"{metrics[k]} {k.replace('_', ' ')}" for k in ("train_tokens", "steps") if k in metrics]
+    cov = meta.get("vocab_coverage")
+    cov_txt = f", covering {cov:.1%} of training assistant tokens" if isinstance(cov, (int, float)) else ""
+    if results and results["rows"]:
+        machine = results["machine"] or "not recorded"
+        settings_line = ", ".join(f"{k}={v}" for k, v in results["settings"].items())
+        measured = (f"## Measured with `drafttrain eval`\n\n{results_table(results)}\n\nMachine: {machine}"
+                    + (f". Settings: {settings_line}" if settings_line else "") + ". τ = tokens emitted per target "
+                    "forward, bonus token included; speedup = baseline wall time / speculative wall time on the "
+                    "same prompts and hardware.\n")
+    else:
+        sim = metrics.get("eval/tau_sim")
+        measured = ("## Measured\n\nNo `drafttrain eval` results were given (pass `--results results.json`). "
+                    + (f"Training held-out simulated τ (teacher-forced greedy chain, bonus included): {sim}.\n"
+                       if sim is not None else "\n"))
+    trust = bool(tr.get("trust_remote_code", False))
+    text = f"""---
+library_name: drafttrain
+base_model: {base}
+tags: [speculative-decoding, {method}, drafttrain]
+---
+# {method.upper()} drafter for `{base}` ({fmt} format)
+
+- base model: `{base}` (revision `{t.get('revision') or 'not recorded'}`; {t.get('model_type', '')}, hidden {t.get('hidden_size')}, {t.get('num_hidden_layers')} layers, vocab {t.get('vocab_size')})
+- method: {method}; settings: {settings_txt}
+- training data: {data_txt}; size: {', '.join(size) or 'not recorded'}
+{aux_line}
+- draft vocab size: {meta.get('draft_vocab_size')}{cov_txt}
+
+{measured}
+## Serve
+
+{serve_commands(meta, model_ref=model_ref, verifier=base, fmt=fmt, trust_remote_code=trust)}
+Exported by `drafttrain export --format {fmt}`; weights are safetensors only.
+"""
+    return scrub_text(text)
