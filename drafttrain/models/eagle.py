@@ -6,7 +6,7 @@ produces the drafter's next feature; its own norm + LM head over a reduced draft
 give the draft logits. `d2t[i]` is the offset from draft id i to its target id; `t2d` is a bool
 mask over the target vocabulary.
 
-EAGLE-1 (arXiv 2401.15077): fc(concat(token embedding, feature), 2H -> H, bias) then one plain
+EAGLE-1 (arXiv 2401.15077): fc(concat(token embedding, feature), 2H -> H) then one plain
 decoder layer (no input norm) predicts the target's next post-norm feature; the TARGET's LM head
 reads it (full vocabulary, no own head).
 
@@ -70,8 +70,19 @@ def default_aux_layer_ids(num_layers: int, method: str = "eagle3") -> list[int]:
     post-norm hidden state, index N."""
     if method == "eagle1":
         return [num_layers]
-    ids = [min(2, num_layers), num_layers // 2, max(num_layers - 3, 0)]
-    return sorted(set(ids))
+    if num_layers < 3:
+        return sorted({min(2, num_layers), num_layers // 2})
+    ids: list[int] = []
+    for c in (2, num_layers // 2, num_layers - 3):
+        c = min(max(c, 1), num_layers - 1)
+        # small targets: keep three DISTINCT layers (engines expect exactly three)
+        while c in ids and c < num_layers - 1:
+            c += 1
+        while c in ids and c > 1:
+            c -= 1
+        if c not in ids:
+            ids.append(c)
+    return sorted(ids)
 
 
 def config_from_target(target_config, method: str = "eagle3", *, draft_vocab_size: int | None = None,
@@ -217,7 +228,8 @@ class EagleDrafter(nn.Module):
         self.cfg = cfg
         H = cfg.hidden_size
         eagle3 = cfg.method == "eagle3"
-        self.fc = nn.Linear(cfg.num_aux * H if eagle3 else 2 * H, H, bias=not eagle3)
+        # No bias in either: vLLM's EAGLE-1 (llama_eagle.py) loads fc without one.
+        self.fc = nn.Linear(cfg.num_aux * H if eagle3 else 2 * H, H, bias=False)
         self.midlayer = nn.Module()
         m = self.midlayer
         if eagle3:

@@ -22,13 +22,6 @@ from drafttrain.testing import tiny_target
 MAX_NEW = 24
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models run 10x faster on one thread than on two contended ones."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @functools.cache

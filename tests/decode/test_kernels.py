@@ -24,13 +24,6 @@ from drafttrain.decode.kernels.rejection import rejection_sample_ref
 needs_triton = pytest.mark.skipif(not triton_available(), reason="triton is not installed")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # small matmuls: intra-op threads only contend on a shared 2-core box
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def _run(code: str, interpret: bool) -> dict:

@@ -19,14 +19,6 @@ from drafttrain.models.eagle import EagleDrafter, config_from_target
 from drafttrain.testing import TinyTokenizer, tiny_target
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @functools.cache
 def target(family: str, vocab_size: int = 257):
     return tiny_target(family, vocab_size=vocab_size)

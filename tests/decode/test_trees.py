@@ -25,14 +25,6 @@ from drafttrain.decode.tree import (
 from drafttrain.testing import tiny_target
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @functools.cache
 def target(family: str):
     return tiny_target(family)

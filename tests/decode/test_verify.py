@@ -33,13 +33,6 @@ from drafttrain.decode.verify import (
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # tiny tensors: intra-op threads only contend on a shared 2-core box
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def brute_greedy(logits, tokens, parents):

@@ -22,13 +22,6 @@ Q = torch.tensor([[0.20, 0.40, 0.10, 0.10, 0.20],  # draft for depth-1 tokens
                   [0.10, 0.10, 0.30, 0.45, 0.05]])  # draft for depth-2 tokens
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # element-wise work on 200k x 5 tensors: intra-op threads only contend on a shared 2-core box
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def assert_law(samples: torch.Tensor, probs: torch.Tensor, what: str) -> None:
