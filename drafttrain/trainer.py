@@ -190,6 +190,26 @@ def evaluate(cfg: TrainConfig, drafter, target, loader, spec, accelerator) -> di
     return m.summary("eval")
 
 
+def decode_eval(cfg: TrainConfig, drafter, target, prompts: list[list[int]], accelerator) -> dict:
+    """Real decoding on held-out prompts (greedy chain): tau from the decoder, not simulated.
+
+    Runs on the main process only; the drafter is put in eval mode and back."""
+    from drafttrain.eval.quick import decode_eval as run
+
+    raw = accelerator.unwrap_model(drafter)
+    was_training = raw.training
+    raw.eval()
+    try:
+        with torch.no_grad(), accelerator.autocast():
+            res = run(target, raw, prompts, max_new_tokens=cfg.train.decode_eval_tokens, temperature=0.0,
+                      gamma=cfg.train.decode_eval_gamma)
+    finally:
+        raw.train(was_training)
+    acc = res.get("acceptance") or []
+    return {"eval/decode_tau": res["tau"], "eval/decode_tokens_per_s": res["tokens_per_s"],
+            **{f"eval/decode_accept_{k}": a for k, a in enumerate(acc)}}
+
+
 def token_counts(ds, vocab_size: int) -> torch.Tensor:
     """[V] counts of loss-masked tokens (the tokens the drafter must predict)."""
     counts = torch.zeros(vocab_size, dtype=torch.float64)
@@ -339,6 +359,23 @@ def train(cfg: TrainConfig) -> dict:
                            entity=cfg.wandb.entity, name=cfg.wandb.name or run_dir.name, mode=cfg.wandb.mode,
                            config=to_dict(cfg), run_dir=str(run_dir))
 
+    decode_prompts: list[list[int]] = []
+    if cfg.train.decode_eval_every or cfg.train.decode_eval_final:
+        from drafttrain.data import heldout_prompts
+
+        decode_prompts = heldout_prompts(cfg.data, tokenizer, cfg.train.decode_eval_prompts)
+
+    def save_best(dec: dict) -> None:
+        """Keep the drafter with the best decoding tau so far in <run>/best_drafter (atomic)."""
+        raw = accelerator.unwrap_model(drafter)
+        card = model_card({"method": cfg.method, "recipe": cfg.recipe, "target": {"spec": cfg.target},
+                           "aux_layer_ids": raw.cfg.aux_layer_ids, "draft_vocab_size": raw.cfg.draft_vocab_size,
+                           "vocab_coverage": coverage}, {"step": state["step"], **dec})
+        save_drafter_folder(run_dir / "best_drafter", drafter=raw, target=target, tokenizer=tokenizer,
+                            method=cfg.method, card=card,
+                            extra={"recipe": cfg.recipe, "vocab_coverage": coverage, "training": to_dict(cfg),
+                                   "metrics": {"step": state["step"], **dec}})
+
     # ---- loop -----------------------------------------------------------------------------------
     from tqdm.auto import tqdm
 
@@ -391,6 +428,16 @@ def train(cfg: TrainConfig) -> dict:
                     last_eval = evaluate(cfg, drafter, target, held_loader, spec, accelerator)
                     tracker.log(last_eval, step=state["step"])
                     bar.write(f"step {state['step']}: " + ", ".join(f"{k}={v:.3f}" for k, v in last_eval.items()))
+                if (cfg.train.decode_eval_every and state["step"] % cfg.train.decode_eval_every == 0
+                        and decode_prompts and accelerator.is_main_process):
+                    dec = decode_eval(cfg, drafter, target, decode_prompts, accelerator)
+                    tracker.log(dec, step=state["step"])
+                    bar.write(f"step {state['step']}: decoding tau {dec['eval/decode_tau']:.3f} "
+                              f"(greedy chain of {cfg.train.decode_eval_gamma}, {len(decode_prompts)} held-out prompts)")
+                    if state.get("best_decode_tau") is None or dec["eval/decode_tau"] > state["best_decode_tau"]:
+                        state["best_decode_tau"] = dec["eval/decode_tau"]
+                        state["best_decode_step"] = state["step"]
+                        save_best(dec)
                 if cfg.train.stop_after and state["step"] >= cfg.train.stop_after:
                     log(accelerator, f"drafttrain: train.stop_after={cfg.train.stop_after} reached; exiting without final save")
                     bar.close()
@@ -419,6 +466,9 @@ def train(cfg: TrainConfig) -> dict:
     # ---- final eval + save ---------------------------------------------------------------------
     save_checkpoint(accelerator, run_dir, state, scheduler, cfg.train.keep_checkpoints)
     final_eval = evaluate(cfg, drafter, target, held_loader, spec, accelerator) if held_loader else {}
+    if cfg.train.decode_eval_final and decode_prompts and accelerator.is_main_process:
+        log(accelerator, f"drafttrain: decoding {len(decode_prompts)} held-out prompts with the drafter (real tau)")
+        final_eval.update(decode_eval(cfg, drafter, target, decode_prompts, accelerator))
     tracker.log(final_eval, step=state["step"])
     raw = accelerator.unwrap_model(drafter)
     summary = {
@@ -435,6 +485,10 @@ def train(cfg: TrainConfig) -> dict:
         "device": str(accelerator.device),
         **{k: round(v, 4) for k, v in final_eval.items()},
     }
+    if state.get("best_decode_tau") is not None:
+        summary["best_decode_tau"] = round(state["best_decode_tau"], 4)
+        summary["best_drafter_dir"] = str(run_dir / "best_drafter")
+        summary["best_decode_step"] = state.get("best_decode_step")
     if accelerator.is_main_process:
         meta = {"method": cfg.method, "recipe": cfg.recipe, "target": {"spec": cfg.target},
                 "aux_layer_ids": raw.cfg.aux_layer_ids, "draft_vocab_size": raw.cfg.draft_vocab_size,
@@ -462,4 +516,10 @@ def format_summary(summary: dict) -> str:
         lines.append("  held-out acc " + " ".join(f"{v:.3f}" for _, v in accs) + "  (per unroll step)")
     if "eval/tau_sim" in summary:
         lines.append(f"  held-out simulated tau {summary['eval/tau_sim']:.3f}  (teacher-forced greedy chain, bonus included)")
+    if "eval/decode_tau" in summary:
+        lines.append(f"  held-out decoding tau  {summary['eval/decode_tau']:.3f}  (real greedy decoding, bonus included; "
+                     f"{summary.get('eval/decode_tokens_per_s', 0):.1f} tok/s)")
+    if "best_decode_tau" in summary:
+        lines.append(f"  best decoding tau {summary['best_decode_tau']:.3f} at step {summary['best_decode_step']}: "
+                     f"{summary['best_drafter_dir']}")
     return "\n".join(lines)

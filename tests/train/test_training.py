@@ -175,3 +175,13 @@ def test_target_drafter_mismatch_error(target_dirs, chat_file, tmp_path):
         load_drafter(tmp_path / "run" / "drafter", other)
     msg = str(e.value)
     assert "hidden_size 64 vs 32" in msg and len(msg.splitlines()) == 1
+
+
+def test_decoding_eval_in_training_keeps_the_best_drafter(target_dirs, chat_file, tmp_path):
+    summary = train(cfg_for(target_dirs["gemma3"], chat_file, tmp_path / "run", "train.max_steps=2",
+                            "train.decode_eval_every=1", "train.decode_eval_prompts=2",
+                            "train.decode_eval_tokens=8", "train.decode_eval_gamma=3"))
+    assert summary["eval/decode_tau"] >= 1.0  # real decoding: at least the bonus token per forward
+    assert summary["best_decode_step"] in (1, 2)
+    best = json.loads((tmp_path / "run" / "best_drafter" / "config.json").read_text())
+    assert best["metrics"]["eval/decode_tau"] == pytest.approx(summary["best_decode_tau"], abs=1e-3)
