@@ -94,14 +94,23 @@ def atomic_dir(final: str | Path):
 
 
 def save_drafter_folder(folder: str | Path, *, drafter, target, tokenizer, method: str, extra: dict,
-                        card: str, dtype=None) -> Path:
-    """Write the drafter folder atomically (a reader never sees a half-written folder)."""
+                        card: str, dtype=None, write_extra=None) -> Path:
+    """Write the drafter folder atomically (a reader never sees a half-written folder).
+
+    `drafter` is any drafter module with a dataclass `cfg` (EAGLE drafter, Medusa heads);
+    `write_extra(tmp_folder)`, when given, adds files (Medusa-2's adapter) inside the same
+    atomic write.
+    """
+    from dataclasses import asdict
+
     from drafttrain import __version__
     from drafttrain.data import tokenizer_hash
-    from drafttrain.models.eagle import eagle_config_dict, save_eagle_weights
+    from drafttrain.models.eagle import save_eagle_weights
 
     with atomic_dir(folder) as tmp:
-        save_eagle_weights(drafter, tmp, dtype=dtype)
+        save_eagle_weights(drafter, tmp, dtype=dtype)  # the drafter's state dict, as safetensors
+        if write_extra is not None:
+            write_extra(tmp)
         meta = {
             "drafttrain": {"version": __version__, "format": FORMAT_VERSION},
             "method": method,
@@ -109,7 +118,7 @@ def save_drafter_folder(folder: str | Path, *, drafter, target, tokenizer, metho
             "tokenizer_hash": tokenizer_hash(tokenizer),
             "aux_layer_ids": list(drafter.cfg.aux_layer_ids),
             "draft_vocab_size": drafter.cfg.draft_vocab_size,
-            "drafter": eagle_config_dict(drafter.cfg),
+            "drafter": json.loads(json.dumps(asdict(drafter.cfg))),
             **extra,
         }
         (tmp / "config.json").write_text(json.dumps(meta, indent=2, default=str))

@@ -57,7 +57,7 @@ def target_features(target, input_ids: Tensor, attention_mask: Tensor | None, sp
     out = _body(target)(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, use_cache=False)
     hs = out.hidden_states
     final = out.last_hidden_state
-    if spec.method == "eagle1":
+    if spec.method != "eagle3":  # EAGLE-1 and Medusa read the final state only
         aux = final
     else:
         aux = torch.cat([hs[i] for i in spec.aux_layer_ids], dim=-1)

@@ -114,3 +114,121 @@ def eagle1_loss(drafter, target, batch: dict[str, Tensor], feats: dict[str, Tens
 def simulated_tau(run_len_sum: int, run_len_n: int) -> float:
     """Teacher-forced greedy chain tau: 1 (bonus) + mean accepted run length."""
     return 1.0 + run_len_sum / max(run_len_n, 1)
+
+
+# ---- Medusa ---------------------------------------------------------------------------------------
+def full_logits(target, hidden: Tensor) -> Tensor:
+    """[N, H] final hidden -> [N, V] float32 logits of the target's own head (softcap included)."""
+    from drafttrain.features import _softcap
+
+    head = target.get_output_embeddings()
+    logits = head(hidden.to(head.weight.dtype)).float()
+    cap = _softcap(target)
+    return cap * torch.tanh(logits / cap) if cap else logits
+
+
+def medusa_loss(heads, target, batch: dict[str, Tensor], final: Tensor, *, step_weight: float,
+                self_distill: bool, topk: int = 5) -> tuple[Tensor, dict]:
+    """Medusa-1 loss: sum_i step_weight**i * CE_i, head i at position t predicting x_{t+i+2}.
+
+    Labels are the data tokens, or with `self_distill` the target's own distribution at position
+    t+i+1 restricted to the draft vocab (soft CE, as EAGLE-3's teacher). A position counts when
+    the predicted token is an assistant token (loss mask) and, with hard labels, lies in the
+    draft vocab.
+
+    Args:
+        heads: MedusaHeads (possibly wrapped by Accelerate).
+        target: the target (only its LM head is read, for the self-distillation teacher).
+        batch: input_ids, attention_mask, loss_mask [B, T].
+        final: [B, T, H] the target's final post-norm hidden states (with grad in Medusa-2).
+        topk: k of the logged top-k accuracy.
+
+    Returns:
+        (scalar loss, metrics: per-head top-1 correct / count (`acc_i`), top-k correct, run
+        lengths of the teacher-forced greedy chain).
+    """
+    input_ids, attn, loss_mask = batch["input_ids"], batch["attention_mask"].bool(), batch["loss_mask"].bool()
+    raw = heads.module if hasattr(heads, "module") else heads
+    logits = heads(final)  # [K, B, T, Vd]
+    t2d = raw.t2d.to(input_ids.device)
+    tgt_to_draft = torch.cumsum(t2d.long(), 0) - 1  # target id -> draft id (where t2d)
+    if self_distill:
+        with torch.no_grad():
+            t_logits = teacher_draft_logits(target, final.detach(), raw.draft_ids)  # [B, T, Vd]
+            t_probs, t_top = torch.softmax(t_logits, -1), t_logits.argmax(-1)
+    total = logits.new_zeros((), dtype=torch.float32)
+    metrics: dict = {"acc": [], "count": [], "correct": [], "topk_correct": [], "topk": topk}
+    alive = torch.ones_like(attn)
+    run_len = torch.zeros(attn.shape, dtype=torch.long, device=attn.device)
+    first_valid = None
+    for i in range(logits.shape[0]):
+        valid = attn & _shift(attn, 2 + i, False) & _shift(loss_mask, 2 + i, False)
+        logp = torch.log_softmax(logits[i].float(), -1)  # [B, T, Vd]
+        if self_distill:
+            ce = -(_shift(t_probs, 1 + i, 0.0) * logp).sum(-1)  # [B, T]
+            label = _shift(t_top, 1 + i, 0)
+        else:
+            tok = _shift(input_ids, 2 + i, 0)
+            valid = valid & t2d[tok]
+            label = tgt_to_draft[tok].clamp(min=0)
+            ce = -logp.gather(-1, label[..., None])[..., 0]
+        n = valid.sum()
+        total = total + (step_weight**i) * (ce * valid).sum() / n.clamp(min=1)
+        with torch.no_grad():
+            top = logits[i].topk(min(topk, logits.shape[-1]), -1).indices  # [B, T, k]
+            agree = (top[..., 0] == label) & valid
+            in_k = (top == label[..., None]).any(-1) & valid
+            metrics["acc"].append(float(agree.sum() / n.clamp(min=1)))
+            metrics["count"].append(int(n))
+            metrics["correct"].append(int(agree.sum()))
+            metrics["topk_correct"].append(int(in_k.sum()))
+            if first_valid is None:
+                first_valid = valid
+            alive = alive & agree
+            run_len += alive.long()
+    metrics["run_len_sum"] = int(run_len[first_valid].sum())
+    metrics["run_len_n"] = int(first_valid.sum())
+    metrics["loss"] = float(total.detach())
+    return total, metrics
+
+
+def kl_to_original(target, adapted: Tensor, original: Tensor, valid: Tensor) -> Tensor:
+    """Mean over valid positions of KL(p_original || p_adapted) of the next-token distribution.
+
+    Args:
+        adapted: [B, T, H] final hidden states with the adapter on (with grad).
+        original: [B, T, H] the same with the adapter disabled (no grad).
+        valid: [B, T] bool; only these rows go through the full-vocab LM head.
+    """
+    a = full_logits(target, adapted[valid])  # [N, V]
+    with torch.no_grad():
+        logp_o = torch.log_softmax(full_logits(target, original[valid]), -1)
+    kl = (logp_o.exp() * (logp_o - torch.log_softmax(a, -1))).sum(-1)  # [N]
+    return kl.sum() / valid.sum().clamp(min=1)
+
+
+def medusa2_loss(heads, target, batch: dict[str, Tensor], *, joint: bool, step_weight: float,
+                 self_distill: bool, heads_coefficient: float, kl_weight: float,
+                 topk: int = 5) -> tuple[Tensor, dict]:
+    """Medusa-2: heads warm-up (joint=False: Medusa-1 loss on the un-adapted target), then joint
+    training: kl_weight * KL(original || adapted) + heads_coefficient * Medusa-1 loss on the
+    adapted target's hidden states. `target` is the PEFT-wrapped target; the original
+    distribution is the same model with the adapter disabled."""
+    from drafttrain.features import FeatureSpec, target_features
+
+    ids, attn = batch["input_ids"], batch["attention_mask"]
+    spec = FeatureSpec("medusa2", [])
+    with torch.no_grad(), target.disable_adapter():
+        original = target_features(target, ids, attn, spec)["final"]  # [B, T, H]
+    if not joint:
+        return medusa_loss(heads, target, batch, original, step_weight=step_weight, self_distill=self_distill,
+                           topk=topk)
+    body = target.get_decoder() if hasattr(target, "get_decoder") else target.model
+    adapted = body(input_ids=ids, attention_mask=attn, use_cache=False).last_hidden_state  # [B, T, H]
+    head_loss, metrics = medusa_loss(heads, target, batch, adapted, step_weight=step_weight,
+                                     self_distill=self_distill, topk=topk)
+    valid = attn.bool() & _shift(batch["loss_mask"].bool(), 1, False)  # position t predicts x_{t+1}
+    kl = kl_to_original(target, adapted, original, valid)
+    loss = kl_weight * kl + heads_coefficient * head_loss
+    metrics.update(loss=float(loss.detach()), head_loss=float(head_loss.detach()), kl=float(kl.detach()))
+    return loss, metrics

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from drafttrain.config import field_
 from drafttrain.data import DataConfig
 
-METHODS = ("eagle3", "eagle1")
+METHODS = ("eagle3", "eagle1", "medusa1", "medusa2")
 
 
 @dataclass
@@ -25,6 +25,26 @@ class DrafterSettings:
     ce_weight: float = field_(0.1, help="EAGLE-1 cross-entropy weight")
     noise: float = field_(0.2, help="EAGLE-1 uniform noise half-width added to input features (0 = off)")
     dtype: str = field_("float32", help="drafter parameter dtype (master weights)", choices=("float32", "bfloat16"))
+
+
+@dataclass
+class MedusaSettings:
+    num_heads: int = field_(4, help="Medusa heads; head i predicts the token i+2 ahead")
+    num_layers: int = field_(1, help="residual blocks per head (zero-initialised Linear + SiLU + residual)")
+    share_lm_head: bool = field_(False, help="heads share the target's LM head (not trained, not saved) instead of own copies")
+    self_distill: bool = field_(False, help="train against the target's own distribution (draft vocab) instead of the data tokens")
+    topk: int = field_(5, help="k of the logged per-head top-k accuracy")
+    tree_budget: int = field_(16, help="draft nodes of the static tree built from held-out head accuracies")
+    tree_max_rank: int = field_(5, help="candidates per head considered for the tree")
+    tree_records: int = field_(32, help="held-out records used to measure per-head rank accuracy for the tree")
+    warmup_steps: int = field_(50, help="Medusa-2: heads-only steps before joint training with the LoRA adapter")
+    heads_coefficient: float = field_(0.2, help="Medusa-2: weight of the heads' loss in joint training")
+    head_lr_mult: float = field_(4.0, help="Medusa-2: heads' learning rate = train.lr * this")
+    kl_weight: float = field_(1.0, help="Medusa-2: weight of KL(original target || adapted target)")
+    lora_r: int = field_(8, help="Medusa-2: LoRA rank")
+    lora_alpha: int = field_(16, help="Medusa-2: LoRA alpha")
+    lora_target_modules: list[str] = field_(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], help="Medusa-2: module names that get LoRA")
+    save_merged: bool = field_(False, help="Medusa-2: also save the adapter-merged target in <drafter>/merged_target")
 
 
 @dataclass
@@ -86,6 +106,7 @@ class TrainConfig:
     drafter: DrafterSettings = field_(default_factory=DrafterSettings, help="")
     train: TrainSettings = field_(default_factory=TrainSettings, help="")
     features: FeatureSettings = field_(default_factory=FeatureSettings, help="")
+    medusa: MedusaSettings = field_(default_factory=MedusaSettings, help="")
     wandb: WandbSettings = field_(default_factory=WandbSettings, help="")
 
     @property

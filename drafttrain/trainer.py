@@ -9,8 +9,12 @@ the scheduler and `trainer_state.json` (step, epoch, position in the epoch); eac
 a temp folder and renamed, so a killed run always leaves the last complete one. `train.resume`
 continues from it with the same data order.
 
-What it does not do: subclass transformers' Trainer, or build drafters for methods other than
-the feature drafters (Medusa and draft LMs have their own recipes).
+Medusa heads (`medusa1`, `medusa2`) run through the same loop: `build_drafter` builds the heads,
+`wrap_target_for_method` puts Medusa-2's LoRA adapter on the target (the one place PEFT is
+applied), `loss_step` picks the loss, and the final save adds the static tree learned from
+held-out head accuracies (and Medusa-2's adapter).
+
+What it does not do: subclass transformers' Trainer, or train draft LMs (their own recipe).
 """
 
 from __future__ import annotations
@@ -122,6 +126,8 @@ class StepMetrics:
     run_len_sum: int = 0
     run_len_n: int = 0
     tokens: int = 0
+    topk_correct: list[int] = field(default_factory=list)  # Medusa: per-head top-k hits
+    topk: int = 0
 
     def add(self, m: dict, tokens: int) -> None:
         self.loss_sum += m["loss"]
@@ -132,6 +138,10 @@ class StepMetrics:
         for k, (c, n) in enumerate(zip(m["correct"], m["count"])):
             self.correct[k] += c
             self.count[k] += n
+        if "topk_correct" in m:
+            self.topk = m["topk"]
+            self.topk_correct = [a + b for a, b in zip(self.topk_correct or [0] * len(m["topk_correct"]),
+                                                      m["topk_correct"])]
         self.run_len_sum += m["run_len_sum"]
         self.run_len_n += m["run_len_n"]
         self.tokens += tokens
@@ -142,6 +152,9 @@ class StepMetrics:
         out = {f"{prefix}/loss": self.loss_sum / max(self.n, 1)}
         for k, (c, n) in enumerate(zip(self.correct, self.count)):
             out[f"{prefix}/acc_{k}"] = c / max(n, 1)
+        for k, (c, n) in enumerate(zip(self.topk_correct, self.count)):  # Medusa heads
+            out[f"{prefix}/head{k}_top1"] = self.correct[k] / max(n, 1)
+            out[f"{prefix}/head{k}_top{self.topk}"] = c / max(n, 1)
         out[f"{prefix}/tau_sim"] = simulated_tau(self.run_len_sum, self.run_len_n)
         return out
 
@@ -154,11 +167,22 @@ def _mixed_precision(cfg: TrainConfig, target_dtype: torch.dtype) -> str:
     return mp
 
 
-def loss_step(cfg: TrainConfig, drafter, target, batch: dict, feats: dict):
-    """The one place where methods differ."""
-    from drafttrain.losses import eagle1_loss, eagle3_loss
+MEDUSA = ("medusa1", "medusa2")
 
-    d = cfg.drafter
+
+def loss_step(cfg: TrainConfig, drafter, target, batch: dict, feats: dict, step: int | None = None):
+    """The one place where methods differ. `step` (None = evaluation) picks Medusa-2's stage."""
+    from drafttrain.losses import eagle1_loss, eagle3_loss, medusa2_loss, medusa_loss
+
+    d, m = cfg.drafter, cfg.medusa
+    if cfg.method == "medusa1":
+        return medusa_loss(drafter, target, batch, feats["final"], step_weight=d.step_weight,
+                           self_distill=m.self_distill, topk=m.topk)
+    if cfg.method == "medusa2":
+        joint = step is None or step >= m.warmup_steps
+        return medusa2_loss(drafter, target, batch, joint=joint, step_weight=d.step_weight,
+                            self_distill=m.self_distill, heads_coefficient=m.heads_coefficient,
+                            kl_weight=m.kl_weight, topk=m.topk)
     if cfg.method == "eagle3":
         return eagle3_loss(drafter, target, batch, feats, steps=d.ttt_steps, step_weight=d.step_weight,
                            mask_out_of_vocab=d.mask_out_of_vocab)
@@ -169,6 +193,8 @@ def loss_step(cfg: TrainConfig, drafter, target, batch: dict, feats: dict):
 def batch_features(cfg: TrainConfig, target, batch: dict, spec) -> dict:
     from drafttrain.features import target_features
 
+    if cfg.method == "medusa2":  # the loss runs the (adapted) target itself, with grad
+        return {}
     if "aux" in batch:  # offline cache
         return {"aux": batch["aux"], "final": batch["final"].to(next(target.parameters()).dtype)}
     return target_features(target, batch["input_ids"], batch["attention_mask"], spec)
@@ -199,10 +225,13 @@ def decode_eval(cfg: TrainConfig, drafter, target, prompts: list[list[int]], acc
     raw = accelerator.unwrap_model(drafter)
     was_training = raw.training
     raw.eval()
+    gamma = cfg.train.decode_eval_gamma
+    if cfg.method in MEDUSA:  # a Medusa chain is at most one draft per head
+        gamma = min(gamma, cfg.medusa.num_heads)
     try:
         with torch.no_grad(), accelerator.autocast():
             res = run(target, raw, prompts, max_new_tokens=cfg.train.decode_eval_tokens, temperature=0.0,
-                      gamma=cfg.train.decode_eval_gamma)
+                      gamma=gamma)
     finally:
         raw.train(was_training)
     acc = res.get("acceptance") or []
@@ -223,6 +252,8 @@ def token_counts(ds, vocab_size: int) -> torch.Tensor:
 def build_drafter(cfg: TrainConfig, target, train_ds, accelerator):
     from drafttrain.models.eagle import EagleDrafter, build_vocab_mapping, config_from_target
 
+    if cfg.method in MEDUSA:
+        return build_medusa(cfg, target, train_ds, accelerator)
     tcfg = getattr(target.config, "text_config", None) or target.config
     vd = cfg.drafter.draft_vocab_size or tcfg.vocab_size
     ecfg = config_from_target(target.config, cfg.method, draft_vocab_size=vd,
@@ -243,6 +274,128 @@ def build_drafter(cfg: TrainConfig, target, train_ds, accelerator):
     dtype = getattr(torch, cfg.drafter.dtype)
     drafter.to(device=accelerator.device, dtype=dtype)
     return drafter, coverage
+
+
+def build_medusa(cfg: TrainConfig, target, train_ds, accelerator):
+    """Medusa heads for `target`; a reduced draft vocab (drafter.draft_vocab_size) as in EAGLE-3."""
+    from drafttrain.models.eagle import build_vocab_mapping
+    from drafttrain.models.medusa import MedusaHeads, config_from_target
+
+    tcfg = getattr(target.config, "text_config", None) or target.config
+    m = cfg.medusa
+    mcfg = config_from_target(target.config, cfg.method, num_heads=m.num_heads, num_layers=m.num_layers,
+                              draft_vocab_size=cfg.drafter.draft_vocab_size or tcfg.vocab_size,
+                              share_lm_head=m.share_lm_head)
+    heads = MedusaHeads(mcfg)
+    coverage = 1.0
+    if mcfg.draft_vocab_size < mcfg.vocab_size:
+        d2t, t2d, coverage = build_vocab_mapping(token_counts(train_ds, tcfg.vocab_size), mcfg.draft_vocab_size)
+        heads.set_vocab_mapping(d2t, t2d)
+    heads.attach_target(target)
+    heads.init_from_target(target)
+    heads.to(device=accelerator.device, dtype=getattr(torch, cfg.drafter.dtype))
+    return heads, coverage
+
+
+def wrap_target_for_method(cfg: TrainConfig, target, accelerator):
+    """Medusa-2 only: a LoRA adapter on the target (PEFT), the one place it is applied.
+
+    Base weights stay frozen; only the adapter's A/B matrices train. Other methods get the
+    target back unchanged.
+    """
+    if cfg.method != "medusa2":
+        return target
+    from peft import LoraConfig, get_peft_model
+
+    if cfg.features.mode == "offline":
+        raise TrainingError("method=medusa2 trains the target's adapter, so it needs features.mode=online")
+    if accelerator.num_processes > 1:
+        raise TrainingError("method=medusa2 runs on one process for now (the LoRA adapter is not synchronised "
+                            "across processes); launch without accelerate's multi-process mode")
+    m = cfg.medusa
+    lora = LoraConfig(r=m.lora_r, lora_alpha=m.lora_alpha, lora_dropout=0.0, target_modules=list(m.lora_target_modules))
+    return get_peft_model(target, lora)
+
+
+def adapter_params(target) -> list[torch.nn.Parameter]:
+    """The trainable parameters of the target (Medusa-2's LoRA adapter; empty otherwise)."""
+    return [p for p in target.parameters() if p.requires_grad]
+
+
+def param_groups(cfg: TrainConfig, drafter, target) -> list[dict]:
+    """Optimizer groups: the drafter at train.lr; Medusa-2's heads at lr * head_lr_mult plus the adapter at lr."""
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    if cfg.method != "medusa2":
+        return [{"params": params}]
+    return [{"params": params, "lr": cfg.train.lr * cfg.medusa.head_lr_mult},
+            {"params": adapter_params(target), "lr": cfg.train.lr}]
+
+
+@torch.no_grad()
+def medusa_rank_accuracy(heads, target, records, pad: int, max_rank: int, batch_size: int = 4) -> list[list[float]]:
+    """[K][R]: how often head k's rank-r candidate equals the target's greedy token at that place.
+
+    Head k at position t is scored against the target's argmax at position t+k+1 (the token
+    x_{t+k+2} greedy decoding would emit after the data prefix), over assistant positions: the
+    per-depth acceptance a static tree sees (teacher-forced). Target = the adapted one for Medusa-2.
+    """
+    from drafttrain.data import collate
+    from drafttrain.decode.kernels.greedy import greedy_lm_head_argmax_ref
+    from drafttrain.features import FeatureSpec, target_features
+    from drafttrain.losses import _shift
+
+    K = heads.cfg.num_heads
+    hits = torch.zeros(K, max_rank, dtype=torch.float64)
+    counts = torch.zeros(K, dtype=torch.float64)
+    device = next(heads.parameters(), heads.d2t).device
+    for start in range(0, len(records), batch_size):
+        batch = collate([records[i] for i in range(start, min(len(records), start + batch_size))], pad)
+        batch = {k: v.to(device) for k, v in batch.items()}
+        final = target_features(target, batch["input_ids"], batch["attention_mask"], FeatureSpec("medusa1", []))["final"]
+        w = target.get_output_embeddings().weight
+        greedy = greedy_lm_head_argmax_ref(final.reshape(-1, final.shape[-1]).to(w.dtype), w).view(final.shape[:2])
+        logits = heads(final)  # [K, B, T, Vd]
+        attn, lmask = batch["attention_mask"].bool(), batch["loss_mask"].bool()
+        for k in range(K):
+            valid = attn & _shift(attn, k + 2, False) & _shift(lmask, k + 2, False)
+            top = logits[k].topk(min(max_rank, logits.shape[-1]), -1).indices  # [B, T, R] draft ids
+            top = top + heads.d2t[top]  # target ids
+            want = _shift(greedy, k + 1, -1)
+            hit = (top == want[..., None]) & valid[..., None]  # [B, T, R]
+            hits[k, : hit.shape[-1]] += hit.sum((0, 1)).double().cpu()
+            counts[k] += valid.sum().double().cpu()
+    return (hits / counts.clamp(min=1)[:, None]).tolist()
+
+
+def medusa_extras(cfg: TrainConfig, heads, target, held_ds, tokenizer, pad: int) -> tuple[dict, object]:
+    """What a Medusa drafter folder adds: (config.json fields, a writer for extra files).
+
+    Fields: `rank_accuracy` [K][R] on held-out data, `tree_choices` (the static tree learned
+    from it) and, for Medusa-2, `adapter_id`. The writer saves Medusa-2's adapter (PEFT,
+    safetensors) in `adapter/` and, with medusa.save_merged, the merged target in `merged_target/`.
+    """
+    import copy
+    import uuid
+
+    from drafttrain.models.medusa import learned_tree
+
+    m = cfg.medusa
+    n = min(len(held_ds), m.tree_records)
+    acc = medusa_rank_accuracy(heads, target, [held_ds[i] for i in range(n)], pad, m.tree_max_rank) if n else []
+    fields = {"rank_accuracy": acc, "tree_choices": learned_tree(acc, m.tree_budget) if acc else []}
+    if cfg.method != "medusa2":
+        return fields, None
+    fields["adapter_id"] = uuid.uuid4().hex
+
+    def write(folder: Path) -> None:
+        target.save_pretrained(str(folder / "adapter"), safe_serialization=True)
+        if m.save_merged:
+            merged = copy.deepcopy(target).merge_and_unload()
+            merged.config.drafttrain_adapter_id = fields["adapter_id"]
+            merged.save_pretrained(str(folder / "merged_target"), safe_serialization=True)
+            tokenizer.save_pretrained(str(folder / "merged_target"))
+
+    return fields, write
 
 
 class _StopFlag:
@@ -306,6 +459,7 @@ def train(cfg: TrainConfig) -> dict:
     with accelerator.main_process_first():
         train_ds, held_ds, report = build_datasets(cfg.data, tokenizer)
     log(accelerator, report.summary())
+    target = wrap_target_for_method(cfg, target, accelerator)
     drafter, coverage = build_drafter(cfg, target, train_ds, accelerator)
     spec = FeatureSpec(cfg.method, drafter.cfg.aux_layer_ids)
     n_params = sum(p.numel() for p in drafter.parameters() if p.requires_grad)
@@ -333,10 +487,10 @@ def train(cfg: TrainConfig) -> dict:
     held_loader = DataLoader(_Records(held_ds), batch_size=cfg.train.batch_size,
                              collate_fn=lambda b: collate(b, pad)) if len(held_ds) else None
 
-    params = [p for p in drafter.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=cfg.train.lr, betas=tuple(cfg.train.betas),
+    optimizer = torch.optim.AdamW(param_groups(cfg, drafter, target), lr=cfg.train.lr, betas=tuple(cfg.train.betas),
                                   weight_decay=cfg.train.weight_decay)
     drafter, optimizer, loader = accelerator.prepare(drafter, optimizer, loader)
+    extra_params = adapter_params(target)  # Medusa-2's adapter: clipped with the drafter
     micro_per_epoch = len(loader)
     steps_per_epoch = max(1, micro_per_epoch // cfg.train.grad_accum)
     total_steps = cfg.train.max_steps or steps_per_epoch * cfg.train.epochs
@@ -371,10 +525,12 @@ def train(cfg: TrainConfig) -> dict:
         card = model_card({"method": cfg.method, "recipe": cfg.recipe, "target": {"spec": cfg.target},
                            "aux_layer_ids": raw.cfg.aux_layer_ids, "draft_vocab_size": raw.cfg.draft_vocab_size,
                            "vocab_coverage": coverage}, {"step": state["step"], **dec})
+        fields, write_extra = medusa_extras(cfg, raw, target, held_ds, tokenizer, pad) if cfg.method in MEDUSA \
+            else ({}, None)
         save_drafter_folder(run_dir / "best_drafter", drafter=raw, target=target, tokenizer=tokenizer,
-                            method=cfg.method, card=card,
+                            method=cfg.method, card=card, write_extra=write_extra,
                             extra={"recipe": cfg.recipe, "vocab_coverage": coverage, "training": to_dict(cfg),
-                                   "metrics": {"step": state["step"], **dec}})
+                                   "metrics": {"step": state["step"], **dec}, **fields})
 
     # ---- loop -----------------------------------------------------------------------------------
     from tqdm.auto import tqdm
@@ -395,7 +551,7 @@ def train(cfg: TrainConfig) -> dict:
                 feats = batch_features(cfg, target, batch, spec)
                 with accelerator.accumulate(drafter):
                     with accelerator.autocast():
-                        loss, met = loss_step(cfg, drafter, target, batch, feats)
+                        loss, met = loss_step(cfg, drafter, target, batch, feats, step=state["step"])
                     if not torch.isfinite(loss):
                         kept = latest_checkpoint(run_dir)
                         raise TrainingError(
@@ -404,7 +560,8 @@ def train(cfg: TrainConfig) -> dict:
                         )
                     accelerator.backward(loss)
                     if accelerator.sync_gradients and cfg.train.grad_clip > 0:
-                        accelerator.clip_grad_norm_(drafter.parameters(), cfg.train.grad_clip)
+                        clip = [*drafter.parameters(), *extra_params] if extra_params else drafter.parameters()
+                        accelerator.clip_grad_norm_(clip, cfg.train.grad_clip)
                     optimizer.step()
                     optimizer.zero_grad()
                 ntok = int(batch["attention_mask"].sum())
@@ -490,6 +647,10 @@ def train(cfg: TrainConfig) -> dict:
         summary["best_drafter_dir"] = str(run_dir / "best_drafter")
         summary["best_decode_step"] = state.get("best_decode_step")
     if accelerator.is_main_process:
+        extra_fields, write_extra = {}, None
+        if cfg.method in MEDUSA:
+            extra_fields, write_extra = medusa_extras(cfg, raw, target, held_ds, tokenizer, pad)
+            summary["tree_choices"] = extra_fields["tree_choices"]
         meta = {"method": cfg.method, "recipe": cfg.recipe, "target": {"spec": cfg.target},
                 "aux_layer_ids": raw.cfg.aux_layer_ids, "draft_vocab_size": raw.cfg.draft_vocab_size,
                 "vocab_coverage": coverage, "data_summary": report.summary().splitlines()[0]}
@@ -498,7 +659,9 @@ def train(cfg: TrainConfig) -> dict:
         save_drafter_folder(run_dir / "drafter", drafter=raw, target=target, tokenizer=tokenizer, method=cfg.method,
                             card=card, extra={"recipe": cfg.recipe, "vocab_coverage": coverage,
                                               "training": to_dict(cfg), "metrics": summary,
-                                              "data": report.__dict__ if hasattr(report, "__dict__") else {}})
+                                              "data": report.__dict__ if hasattr(report, "__dict__") else {},
+                                              **extra_fields},
+                            write_extra=write_extra)
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         tracker.log_artifact(run_dir / "drafter", name=f"{run_dir.name}-drafter", metadata=summary)
     tracker.finish()

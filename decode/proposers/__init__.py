@@ -3,7 +3,8 @@
 Registry (spec string -> proposer):
     "ngram", "ngram:N"        prompt lookup, longest suffix N (NGramProposer)
     "early-exit:K"            the target's first K layers (EarlyExitProposer)
-    <drafter folder>          drafttrain drafter (config.json "method": eagle3 / eagle1)
+    <drafter folder>          drafttrain drafter (config.json "method": eagle3 / eagle1 / medusa1 /
+                              medusa2; Medusa-2 needs its adapted target, see MedusaProposer)
     <HF causal LM path / id>  standalone draft LM with the target's tokenizer (DraftLMProposer)
 A `Proposer` instance passes through; an `EagleDrafter` or an HF causal-LM module is wrapped.
 
@@ -21,10 +22,11 @@ from drafttrain.decode.proposers.base import NodeDrafter, Proposer
 from drafttrain.decode.proposers.draft_lm import DraftLMProposer
 from drafttrain.decode.proposers.eagle import EagleProposer
 from drafttrain.decode.proposers.early_exit import EarlyExitProposer
+from drafttrain.decode.proposers.medusa import MedusaProposer
 from drafttrain.decode.proposers.ngram import NGramProposer
 
 __all__ = ["Proposer", "NodeDrafter", "NGramProposer", "EarlyExitProposer", "DraftLMProposer",
-           "EagleProposer", "load_proposer", "PROPOSERS"]
+           "EagleProposer", "MedusaProposer", "load_proposer", "PROPOSERS"]
 
 #: spec prefix -> factory(target, arg, **options)
 PROPOSERS = {
@@ -69,9 +71,30 @@ def load_proposer(spec_or_path, target: nn.Module, *, tokenizer=None, **options)
             from drafttrain.models.eagle import load_drafter
 
             return EagleProposer(load_drafter(folder, target), **options)
+        if method in ("medusa1", "medusa2"):
+            return _load_medusa(folder, method, target, **options)
         if method is not None:
-            raise ValueError(f"{folder}: drafter method {method!r} has no proposer yet (known: eagle3, eagle1)")
+            raise ValueError(f"{folder}: drafter method {method!r} has no proposer yet "
+                             "(known: eagle3, eagle1, medusa1, medusa2)")
     return _load_draft_lm(spec, target, tokenizer, **options)
+
+
+def _load_medusa(folder: Path, method: str, target: nn.Module, **options) -> Proposer:
+    """Medusa heads from a folder, with the folder's learned tree as the default tree.
+
+    A Medusa-2 folder's heads only fit the target with its adapter: `target` must come from
+    `drafttrain.models.medusa.load_medusa_target(folder, target)` or be the saved
+    `<folder>/merged_target`; anything else is refused (the check is the adapter id).
+    """
+    from drafttrain.models.medusa import adapter_id, load_medusa
+
+    meta = json.loads((folder / "config.json").read_text())
+    if method == "medusa2" and adapter_id(target) != meta.get("adapter_id"):
+        raise ValueError(f"{folder} is a Medusa-2 drafter: decode with its adapted target "
+                         f"(target={folder}/merged_target, or drafttrain.models.medusa.load_medusa_target)")
+    heads = load_medusa(folder, target)
+    layers = meta["target"]["num_hidden_layers"]
+    return MedusaProposer(heads, layers, tree=options.pop("tree", None) or meta.get("tree_choices"), **options)
 
 
 def _drafter_method(config_path: Path) -> str | None:
@@ -82,9 +105,13 @@ def _drafter_method(config_path: Path) -> str | None:
 
 def _wrap_module(module: nn.Module, target: nn.Module, **options) -> Proposer:
     from drafttrain.models.eagle import EagleDrafter
+    from drafttrain.models.medusa import MedusaHeads
 
     if isinstance(module, EagleDrafter):
         return EagleProposer(module, **options)
+    if isinstance(module, MedusaHeads):
+        tc = getattr(target.config, "text_config", None) or target.config
+        return MedusaProposer(module, tc.num_hidden_layers, **options)
     _check_vocab(module, target)
     return DraftLMProposer(module, **options)
 

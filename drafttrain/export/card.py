@@ -125,6 +125,13 @@ def serve_commands(meta: dict, *, model_ref: str, verifier: str, fmt: str, trust
         if fmt != "sglang":
             sglang = f"# export with `drafttrain export DRAFTER --format sglang --out DIR` first, then (draft = DIR):\n{sglang}"
         return f"vLLM:\n\n```bash\n{vllm}\n```\n\nSGLang:\n\n```bash\n{sglang}\n```\n"
+    if method in ("medusa1", "medusa2"):
+        k = (meta.get("drafter") or {}).get("num_heads", 3)
+        spec = json.dumps({"method": "medusa", "model": model_ref, "num_speculative_tokens": k})
+        note = ("# Medusa-2: the verifier must be the ADAPTED target (<drafter>/merged_target, saved with\n"
+                "# medusa.save_merged=true); the heads were trained on it.\n" if method == "medusa2" else "")
+        return (f"vLLM (MedusaModel layout from `--format vllm`):\n\n```bash\n{note}vllm serve {v}{trc} "
+                f"--speculative-config {shlex.quote(spec)}\n```\n\nSGLang: no Medusa export.\n")
     spec = json.dumps({"method": "eagle", "model": model_ref, "num_speculative_tokens": 3})
     return (f"vLLM (EAGLE-1 layout from `--format vllm`):\n\n```bash\nvllm serve {v}{trc} --speculative-config "
             f"{shlex.quote(spec)}\n```\n\nSGLang: not exported for EAGLE-1 by drafttrain yet.\n")

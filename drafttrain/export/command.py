@@ -22,7 +22,8 @@ checks every key, shape, dtype and config field against that engine's loader, an
 model card (README.md). Weights are read and written as safetensors only.
 
   --format hf       the drafttrain folder (for the Hub and drafttrain's own decoder)
-  --format vllm     EAGLE-3: speculators format (`vllm serve DIR` alone works); EAGLE-1: EagleLlamaForCausalLM
+  --format vllm     EAGLE-3: speculators format (`vllm serve DIR` alone works); EAGLE-1: EagleLlamaForCausalLM;
+                    Medusa: MedusaModel (blocks.*, lm_heads.*, token_map for a reduced vocab)
   --format sglang   EAGLE-3: LlamaForCausalLMEagle3 (no embedding; the target's is shared)
   --out DIR         folder to write (replaced atomically if it holds a previous export)
   --results PATH    a `drafttrain eval` results.json for the card (default: one next to DRAFTER)

@@ -41,8 +41,14 @@ Formats (`FORMATS`), each with the loader it was checked against:
   medusa.py): `medusa_vllm_keys` records the layout (`blocks.{i}.layers.{j}.weight` [H, H] (+ bias
   when `medusa_fc_bias`), `lm_heads.{i}.weight` [V, H], optional `token_map`; config
   `architectures: [MedusaModel]`, `model_type: medusa`, `hidden_size`, `vocab_size`, `num_heads`,
-  `num_hidden_layers`, `truncated_vocab_size`). drafttrain has no Medusa drafter folder yet, so
-  exporting one is refused with a clear message rather than guessed.
+  `num_hidden_layers`, `truncated_vocab_size`). Its ResidualBlock is x <- x + SiLU(layer(x)) per
+  layer, like ours, so blocks map 1:1 (our Linear has a bias: `medusa_fc_bias: true`); a reduced
+  draft vocabulary becomes `token_map` (target ids of the draft vocab, = arange + d2t) with
+  `truncated_vocab_size` = its size. Heads that share the target's LM head are refused (the folder
+  does not hold it). A Medusa-2 export carries the heads only: serve the adapted target
+  (`<drafter>/merged_target`) as the model. `hf` for Medusa-1 re-writes the heads' folder (checked
+  with `drafttrain.models.medusa.load_medusa`); a Medusa-2 folder (heads + adapter/) is its own hf
+  format and is refused there.
 
 Every source tensor is either mapped (`plan.sources`) or listed in `plan.omitted` with a reason;
 `verify_export` fails on anything else, on a missing or unknown key, a wrong shape or dtype, a
@@ -229,9 +235,11 @@ def plan_export(meta: dict, sd: dict[str, Tensor], fmt: str, *, verifier: str | 
     if fmt not in FORMATS:
         raise ExportError(f"unknown export format {fmt!r} (formats: {', '.join(FORMATS)})")
     method = meta.get("method", "")
+    if method in ("medusa1", "medusa2"):
+        return _plan_medusa(meta, sd, fmt)
     if method not in ("eagle3", "eagle1"):
-        raise ExportError(f"cannot export method {method!r} yet (exportable: eagle3, eagle1; Medusa and "
-                          "draft-LM exports land with their recipes)")
+        raise ExportError(f"cannot export method {method!r} yet (exportable: eagle3, eagle1, medusa1, medusa2; "
+                          "draft-LM exports land with their recipe)")
     c = EagleConfig(**meta["drafter"])
     validate_vocab_mapping(sd["d2t"], sd["t2d"])
     fdt = _float_dtype(sd)
@@ -324,6 +332,51 @@ def plan_export(meta: dict, sd: dict[str, Tensor], fmt: str, *, verifier: str | 
     return ExportPlan(fmt, method, tensors, sources, omitted, spec, config, req)
 
 
+def _plan_medusa(meta: dict, sd: dict[str, Tensor], fmt: str) -> ExportPlan:
+    """Medusa heads -> vLLM `MedusaModel` (or our own folder for `hf`, Medusa-1 only)."""
+    from drafttrain.models.eagle import validate_vocab_mapping
+    from drafttrain.models.medusa import MedusaConfig, MedusaHeads
+
+    method = meta["method"]
+    c = MedusaConfig(**meta["drafter"])
+    validate_vocab_mapping(sd["d2t"], sd["t2d"])
+    fdt = sd["blocks.0.layers.0.weight"].dtype if c.num_layers else torch.float32
+    if fmt == "sglang":
+        raise ExportError("SGLang has no Medusa drafter; export Medusa heads with --format vllm")
+    if fmt == "hf":
+        if method == "medusa2":
+            raise ExportError("a Medusa-2 drafter folder (heads + adapter/) is already the hf format; copy it, "
+                              "or export the heads for vLLM with --format vllm")
+        with torch.device("meta"):
+            native = MedusaHeads(c).state_dict()
+        spec = {k: (tuple(v.shape), fdt if v.is_floating_point() else v.dtype) for k, v in native.items()}
+        return ExportPlan(fmt, method, tensors=dict(sd), sources={k: k for k in sd}, omitted={}, spec=spec,
+                          config=scrub_obj(meta), required_config={"method": method, "drafttrain.format": 1})
+    if c.share_lm_head:
+        raise ExportError("these Medusa heads share the target's LM head, which the drafter folder does not hold; "
+                          "retrain with medusa.share_lm_head=false to export for vLLM")
+    spec = medusa_vllm_keys(c.num_heads, c.num_layers, c.hidden_size, c.draft_vocab_size, fdt, fc_bias=True)
+    tensors = {k: sd[k] for k in spec}
+    sources = {k: k for k in spec}
+    truncated = c.draft_vocab_size < c.vocab_size
+    omitted = {"t2d": "implied by token_map" if truncated else "identity mapping (full vocabulary)"}
+    if truncated:
+        spec["token_map"] = ((c.draft_vocab_size,), torch.int64)
+        tensors["token_map"] = torch.arange(c.draft_vocab_size) + sd["d2t"]
+        sources["token_map"] = "d2t (+ arange: target id of each draft id)"
+    else:
+        omitted["d2t"] = "identity mapping (full vocabulary)"
+    if method == "medusa2":
+        omitted["adapter/"] = "Medusa-2: serve the adapted target (<drafter>/merged_target) as the vLLM model"
+    config = {"architectures": ["MedusaModel"], "model_type": "medusa", "hidden_size": c.hidden_size,
+              "vocab_size": c.vocab_size, "num_heads": c.num_heads, "num_hidden_layers": c.num_layers,
+              "truncated_vocab_size": c.draft_vocab_size, "medusa_fc_bias": True, "max_paths": 64, "topk": 10,
+              "torch_dtype": str(fdt).removeprefix("torch.")}
+    req = {k: config[k] for k in ("architectures", "model_type", "hidden_size", "vocab_size", "num_heads",
+                                  "num_hidden_layers", "truncated_vocab_size", "medusa_fc_bias")}
+    return ExportPlan(fmt, method, tensors, sources, omitted, spec, config, req)
+
+
 # ---- writing and checking -----------------------------------------------------------------------
 def _get(config: dict, dotted: str):
     cur: object = config
@@ -397,7 +450,18 @@ def _engine_config_loads(out: Path, plan: ExportPlan, config: dict) -> list[str]
     from transformers import LlamaConfig
 
     try:
-        if plan.fmt == "hf":
+        if plan.fmt == "hf" and plan.method in ("medusa1", "medusa2"):
+            from drafttrain.models.medusa import load_medusa
+
+            load_medusa(out)
+        elif plan.fmt == "vllm" and plan.method in ("medusa1", "medusa2"):
+            from transformers import PretrainedConfig
+
+            cfg = PretrainedConfig.from_pretrained(str(out))  # vLLM's MedusaConfig is a PretrainedConfig
+            if (cfg.num_heads, cfg.num_hidden_layers, cfg.truncated_vocab_size) != (
+                    config["num_heads"], config["num_hidden_layers"], config["truncated_vocab_size"]):
+                return ["num_heads / num_hidden_layers / truncated_vocab_size do not survive config parsing"]
+        elif plan.fmt == "hf":
             from drafttrain.models.eagle import load_drafter
 
             load_drafter(out)

@@ -6,20 +6,20 @@ import pytest
 
 from drafttrain.cli import main
 from drafttrain.config import RECIPES_DIR, ConfigError, describe, parse_args
-from drafttrain.schema import TrainConfig
+from drafttrain.schema import METHODS, TrainConfig
 
 RECIPES = sorted(p.stem for p in RECIPES_DIR.glob("*.yaml"))
 
 
 def test_recipes_exist():
-    assert {"eagle", "eagle1"} <= set(RECIPES)
+    assert {"eagle", "eagle1", "medusa", "medusa2"} <= set(RECIPES)
 
 
 @pytest.mark.parametrize("name", RECIPES)
 def test_every_recipe_loads_and_validates(name):
     cfg = parse_args([f"recipe={name}"], TrainConfig)
     assert cfg.recipe == name
-    assert cfg.method in ("eagle3", "eagle1")
+    assert cfg.method in METHODS
     assert cfg.train.batch_size >= 1 and cfg.data.max_len > 0
 
 
