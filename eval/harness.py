@@ -1,0 +1,203 @@
+"""`drafttrain eval` top to bottom: load, build methods, run interleaved, sweep, check, report.
+
+    target, tokenizer  <- drafttrain.targets.load_target(cfg.target, dtype=cfg.dtype)
+    prompts            <- benchmarks.load_benchmark (training template)
+    methods            <- target-only, each proposer, HF plain / prompt lookup / assisted
+    per temperature    run_benchmark -> summarize -> speedups, theory -> greedy check (T = 0)
+    sweeps             gamma, tree_budget, batch_size (optional)
+    report             results.json, results.md, plots, tokens.jsonl; tracker logs the same
+
+Deliberately not here: the decoding itself (drafttrain.decode), metric formulas (metrics.py).
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+from drafttrain.config import to_dict
+from drafttrain.eval.benchmarks import load_benchmark
+from drafttrain.eval.config import EvalConfig, EvalError
+from drafttrain.eval.metrics import add_prompt_speedups, add_speedups, summarize, theory
+from drafttrain.eval.report import SCHEMA_VERSION, TAU_CONVENTION, write_report
+from drafttrain.eval.runner import Method, eos_ids, greedy_check, run_benchmark, run_call
+from drafttrain.eval.sweeps import run_sweep
+
+__all__ = ["run_eval", "build_methods", "machine_info"]
+
+
+def build_methods(cfg: EvalConfig, target, tokenizer) -> tuple[list[Method], dict[str, str]]:
+    """The methods to time, and {skipped method: why}.
+
+    Raises:
+        EvalError: a proposer spec or assistant that cannot be loaded.
+    """
+    from drafttrain.decode import load_proposer
+    from drafttrain.decode.proposers import DraftLMProposer
+
+    methods, skipped = [], {}
+    if "target" in cfg.baselines:
+        methods.append(Method("target", "engine"))
+    draft_lm = None
+    for spec in cfg.proposers:
+        try:
+            proposer = load_proposer(spec, target, tokenizer=tokenizer)
+        except (ValueError, OSError) as e:
+            msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise EvalError(msg if repr(spec) in msg else f"proposer {spec!r}: {msg}") from None
+        if isinstance(proposer, DraftLMProposer) and draft_lm is None:
+            draft_lm = proposer.model
+        if any(m.name == spec for m in methods):
+            raise EvalError(f"proposer {spec!r} is listed twice")
+        methods.append(Method(spec, "engine", proposer=proposer))
+    if "hf" in cfg.baselines:
+        methods.append(Method("hf", "hf"))
+    if "hf_lookup" in cfg.baselines:
+        methods.append(Method("hf_lookup", "hf", hf_kwargs={"prompt_lookup_num_tokens": cfg.hf_lookup_tokens},
+                              batch1_only=True))
+    if "hf_assisted" in cfg.baselines:
+        if cfg.assistant:
+            draft_lm = _load_assistant(cfg.assistant, target)
+        if draft_lm is None:
+            skipped["hf_assisted"] = "no draft LM (set assistant= or list a draft-LM proposer)"
+        else:
+            methods.append(Method("hf_assisted", "hf", hf_kwargs={"assistant_model": draft_lm}, batch1_only=True))
+    if cfg.batch_size > 1:
+        for m in methods:
+            if m.batch1_only:
+                skipped[m.name] = "transformers supports it at batch 1 only"
+    return methods, skipped
+
+
+def _load_assistant(spec: str, target):
+    from drafttrain.decode import load_proposer
+
+    try:
+        return load_proposer(spec, target).model
+    except (ValueError, OSError, AttributeError) as e:
+        raise EvalError(f"assistant {spec!r} is not a draft LM: {str(e).splitlines()[0]}") from None
+
+
+def machine_info() -> dict:
+    """CPU / GPU model, thread count and library versions, for the report."""
+    import transformers
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        cpu = next(ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                   if ln.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return {"cpu": cpu, "cpu_count": os.cpu_count(), "threads": torch.get_num_threads(),
+            "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+            "python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
+            "platform": platform.platform()}
+
+
+def _log_run(tracker, run: dict, step: int) -> None:
+    t = run["temperature"]
+    metrics = {}
+    for name, m in run["methods"].items():
+        base = f"eval/T{t:g}/{name}"
+        metrics[f"{base}/tokens_per_s"] = m["tokens_per_s"]
+        for k, v in m["speedup"].items():
+            metrics[f"{base}/speedup_{k}"] = v
+        if "tau" in m:
+            metrics[f"{base}/tau"] = m["tau"]
+            metrics.update({f"{base}/acc_{i + 1}": a for i, a in enumerate(m["acceptance"][:8])})
+    tracker.log(metrics, step=step)
+
+
+def run_eval(cfg: EvalConfig) -> dict:
+    """Runs the whole evaluation described by `cfg` and writes the report; returns results."""
+    from tqdm.auto import tqdm
+
+    from drafttrain.targets import load_target
+    from drafttrain.tracking import make_tracker
+
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    target, tokenizer, info = load_target(cfg.target, dtype=cfg.dtype)
+    bench = load_benchmark(cfg.bench, tokenizer, cfg.data, cfg.num_prompts)
+    if not bench:
+        raise EvalError(f"benchmark {cfg.bench!r} gave no prompts")
+    prompts = [p.ids for p in bench]
+    categories = [p.category for p in bench]
+    methods, skipped = build_methods(cfg, target, tokenizer)
+    eos = eos_ids(target, tokenizer)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    kw = dict(max_new_tokens=cfg.max_new_tokens, top_k=cfg.top_k, top_p=cfg.top_p, eos=eos, pad_id=pad,
+              gamma=cfg.gamma or None)
+    out_dir = Path(cfg.output_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tracker = make_tracker(cfg.tracking, is_main=True, project=cfg.wandb_project, entity="", name=out_dir.name,
+                           mode=cfg.wandb_mode, config=to_dict(cfg), run_dir=str(out_dir))
+
+    if cfg.warmup:  # untimed: first-call allocations and lazy imports
+        for m in methods:
+            run_call(target, m, [prompts[0]], temperature=0.0, tree=cfg.tree_setting(), **{**kw, "max_new_tokens": 4})
+
+    n_batches = -(-len(prompts) // cfg.batch_size)
+    per_batch = sum(1 for m in methods if not (m.batch1_only and cfg.batch_size > 1))
+    bar = tqdm(total=len(cfg.temperatures) * n_batches * per_batch, desc="eval", unit="call", disable=not cfg.progress)
+
+    def on_call(name, call):
+        bar.set_postfix_str(name, refresh=False)
+        bar.update(1)
+
+    runs, tokens = [], []
+    for step, temp in enumerate(cfg.temperatures):
+        calls = run_benchmark(target, methods, prompts, batch_size=cfg.batch_size, temperature=temp, seed=cfg.seed,
+                              tree=cfg.tree_setting(), on_call=on_call, **kw)
+        summaries = {}
+        for m in methods:
+            if m.name in calls:
+                summaries[m.name] = {"kind": m.kind, **summarize(calls[m.name], prompts, categories)}
+        add_speedups(summaries, [b for b in ("target", "hf", "hf_lookup", "hf_assisted") if b in summaries])
+        if cfg.batch_size == 1:
+            walls = {k: [c.wall_s for c in v] for k, v in calls.items()}
+            add_prompt_speedups(summaries, walls, "target")
+        for name, s in summaries.items():
+            th = theory(s, summaries.get("target")) if name != "target" else None
+            if th is not None:
+                s["theory"] = th
+        check = greedy_check(target, calls, prompts, tolerance=cfg.near_tie) if temp == 0 else None
+        runs.append({"temperature": temp, "batch_size": cfg.batch_size, "methods": summaries, "greedy_check": check})
+        _log_run(tracker, runs[-1], step)
+        for name, cs in calls.items():
+            for c in cs:
+                for p, seq in zip(c.prompts, c.sequences):
+                    tokens.append({"temperature": temp, "method": name, "prompt": p, "id": bench[p].id,
+                                   "category": bench[p].category, "tokens": seq})
+    bar.close()
+
+    sweeps: dict[str, list[dict]] = {}
+    sweep_prompts = prompts[: cfg.sweep_prompts] if cfg.sweep_prompts else prompts
+    values = {"gamma": cfg.sweep_gammas, "tree_budget": cfg.sweep_budgets, "batch_size": cfg.sweep_batch_sizes}
+    for kind in cfg.sweeps:
+        for temp in cfg.temperatures:
+            rows = run_sweep(kind, target, methods, sweep_prompts, categories, values=values[kind],
+                             tree_setting=cfg.tree_setting, temperature=temp, seed=cfg.seed, tree=cfg.tree_setting(),
+                             **kw)
+            sweeps.setdefault(kind, []).extend({"temperature": temp, **r} for r in rows)
+
+    results = {
+        "schema_version": SCHEMA_VERSION, "tau_convention": TAU_CONVENTION,
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "config": to_dict(cfg), "machine": machine_info(),
+        "target": {"spec": cfg.target, "dtype": info.dtype, "source": info.source, "path": info.path},
+        "benchmark": {"name": cfg.bench, "num_prompts": len(bench),
+                      "categories": {c: categories.count(c) for c in sorted(set(categories))},
+                      "prompt_tokens_mean": sum(map(len, prompts)) / len(prompts)},
+        "skipped": skipped, "runs": runs, "sweeps": sweeps,
+    }
+    t0 = time.perf_counter()
+    write_report(results, out_dir, tokens)
+    tracker.log({"eval/report_write_s": time.perf_counter() - t0})
+    tracker.finish()
+    return results

