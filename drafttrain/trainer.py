@@ -676,7 +676,8 @@ def format_summary(summary: dict) -> str:
             lines.append(f"  {k:<12} {summary[k]}")
     accs = [(k, v) for k, v in summary.items() if k.startswith("eval/acc_")]
     if accs:
-        lines.append("  held-out acc " + " ".join(f"{v:.3f}" for _, v in accs) + "  (per unroll step)")
+        per = "per head" if str(summary.get("method", "")).startswith("medusa") else "per unroll step"
+        lines.append("  held-out acc " + " ".join(f"{v:.3f}" for _, v in accs) + f"  ({per})")
     if "eval/tau_sim" in summary:
         lines.append(f"  held-out simulated tau {summary['eval/tau_sim']:.3f}  (teacher-forced greedy chain, bonus included)")
     if "eval/decode_tau" in summary:
