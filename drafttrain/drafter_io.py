@@ -97,7 +97,8 @@ def save_drafter_folder(folder: str | Path, *, drafter, target, tokenizer, metho
                         card: str, dtype=None, write_extra=None) -> Path:
     """Write the drafter folder atomically (a reader never sees a half-written folder).
 
-    `drafter` is any drafter module with a dataclass `cfg` (EAGLE drafter, Medusa heads);
+    `drafter` is any drafter module with a dataclass `cfg` (EAGLE drafter, Medusa heads; a draft
+    LM is written as a plain HF folder plus drafttrain.json, see drafttrain.models.draft_lm);
     `write_extra(tmp_folder)`, when given, adds files (Medusa-2's adapter) inside the same
     atomic write.
     """
@@ -107,6 +108,13 @@ def save_drafter_folder(folder: str | Path, *, drafter, target, tokenizer, metho
     from drafttrain.data import tokenizer_hash
     from drafttrain.models.eagle import save_eagle_weights
 
+    if method == "draft_lm":  # a plain HF causal-LM folder; this metadata goes to drafttrain.json beside it
+        from drafttrain.models.draft_lm import save_draft_lm
+
+        meta = {"drafttrain": {"version": __version__, "format": FORMAT_VERSION}, "method": method,
+                "target": target_signature(target), "tokenizer_hash": tokenizer_hash(tokenizer),
+                "aux_layer_ids": [], "draft_vocab_size": drafter.cfg.draft_vocab_size, **extra}
+        return save_draft_lm(folder, drafter=drafter, tokenizer=tokenizer, meta=meta, card=card)
     with atomic_dir(folder) as tmp:
         save_eagle_weights(drafter, tmp, dtype=dtype)  # the drafter's state dict, as safetensors
         if write_extra is not None:

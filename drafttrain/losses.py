@@ -13,9 +13,16 @@ true feature; uniform noise on the input features.
 Metrics: `acc_k` = top-1 agreement with the teacher at step k; `run_len` per position = number of
 consecutive steps from 0 that agree, from which the simulated (teacher-forced) greedy
 tau = 1 + mean(run_len) follows (bonus token included).
+
+Draft LMs (DistillSpec-style): a token-level divergence (forward / reverse KL, JSD(beta), total
+variation, or a weighted mix) between the teacher's and the student's next-token distributions at
+assistant positions, over the full vocabulary or the teacher's top-k plus a rest bucket, computed
+in position chunks so no [T, V] logits tensor is ever held.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
@@ -231,4 +238,172 @@ def medusa2_loss(heads, target, batch: dict[str, Tensor], *, joint: bool, step_w
     kl = kl_to_original(target, adapted, original, valid)
     loss = kl_weight * kl + heads_coefficient * head_loss
     metrics.update(loss=float(loss.detach()), head_loss=float(head_loss.detach()), kl=float(kl.detach()))
+    return loss, metrics
+
+
+# ---- draft LM (DistillSpec-style) ----------------------------------------------------------------
+# Divergences between the teacher's next-token distribution p and the student's q, per position,
+# given log-probabilities over the same support [N, K] (the full vocabulary, or the teacher's
+# top-k tokens plus one bucket holding the rest of the mass). 0 * log 0 counts as 0.
+DIVERGENCES = ("fkl", "rkl", "jsd", "tvd", "mix")
+
+
+def _plogp_diff(logp: Tensor, a: Tensor, b: Tensor) -> Tensor:
+    """sum_i exp(logp_i) * (a_i - b_i), with terms where exp(logp_i) = 0 set to 0."""
+    p = logp.exp()
+    return torch.where(p > 0, p * (a - b), torch.zeros_like(p)).sum(-1)
+
+
+def forward_kl(s_logp: Tensor, t_logp: Tensor) -> Tensor:
+    """KL(p || q) = sum p (log p - log q): mass-covering; the usual distillation loss. [N, K] -> [N]."""
+    return _plogp_diff(t_logp, t_logp, s_logp)
+
+
+def reverse_kl(s_logp: Tensor, t_logp: Tensor) -> Tensor:
+    """KL(q || p) = sum q (log q - log p): mode-seeking. [N, K] -> [N]."""
+    return _plogp_diff(s_logp, s_logp, t_logp)
+
+
+def jsd(s_logp: Tensor, t_logp: Tensor, beta: float = 0.5) -> Tensor:
+    """JSD(beta) = beta KL(p || m) + (1 - beta) KL(q || m), m = beta p + (1 - beta) q. [N, K] -> [N]."""
+    if not 0.0 < beta < 1.0:
+        raise ValueError(f"draft_lm.jsd_beta must lie strictly between 0 and 1, got {beta}")
+    log_m = torch.logsumexp(torch.stack([t_logp + math.log(beta), s_logp + math.log(1 - beta)]), dim=0)
+    return beta * _plogp_diff(t_logp, t_logp, log_m) + (1 - beta) * _plogp_diff(s_logp, s_logp, log_m)
+
+
+def total_variation(s_logp: Tensor, t_logp: Tensor) -> Tensor:
+    """TVD = 1/2 sum |p - q|; 1 - TVD is the acceptance probability of one draft token. [N, K] -> [N]."""
+    return 0.5 * (t_logp.exp() - s_logp.exp()).abs().sum(-1)
+
+
+def divergence(s_logp: Tensor, t_logp: Tensor, kind: str, *, beta: float = 0.5,
+               mix_weights: tuple[float, ...] = (0.5, 0.0, 0.0, 0.5)) -> Tensor:
+    """The divergence `kind` (one of DIVERGENCES); `mix` = weights . (fkl, rkl, jsd, tvd). [N, K] -> [N]."""
+    parts = {"fkl": lambda: forward_kl(s_logp, t_logp), "rkl": lambda: reverse_kl(s_logp, t_logp),
+             "jsd": lambda: jsd(s_logp, t_logp, beta), "tvd": lambda: total_variation(s_logp, t_logp)}
+    if kind in parts:
+        return parts[kind]()
+    if kind != "mix":
+        raise ValueError(f"unknown divergence {kind!r}; choose one of {', '.join(DIVERGENCES)}")
+    if len(mix_weights) != 4:
+        raise ValueError(f"draft_lm.mix_weights needs 4 weights (fkl, rkl, jsd, tvd), got {list(mix_weights)}")
+    out = s_logp.new_zeros(s_logp.shape[:-1])
+    for w, name in zip(mix_weights, ("fkl", "rkl", "jsd", "tvd")):
+        if w:
+            out = out + w * parts[name]()
+    return out
+
+
+def topk_buckets(s_logits: Tensor, t_logits: Tensor, k: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Both distributions collapsed onto the teacher's top-k tokens plus one `rest` bucket.
+
+    Args:
+        s_logits / t_logits: [N, V] float32 logits of student / teacher.
+        k: kept teacher tokens (k >= V means the full distribution).
+
+    Returns:
+        (s_logp [N, k+1], t_logp [N, k+1], teacher top-k ids [N, k]); the last column is the log
+        of the mass outside the top-k, computed by logsumexp over the remaining logits (no 1 - x
+        cancellation). With k >= V: the full log-softmaxes and ids of the teacher's argmax.
+    """
+    s_logp = torch.log_softmax(s_logits, -1)
+    t_logp = torch.log_softmax(t_logits, -1)
+    if k <= 0 or k >= t_logits.shape[-1]:
+        return s_logp, t_logp, t_logits.argmax(-1, keepdim=True)
+    idx = t_logits.topk(k, -1).indices  # [N, k]
+    rest = torch.ones_like(t_logits, dtype=torch.bool).scatter(-1, idx, False)  # [N, V] outside top-k
+    s_rest = torch.logsumexp(s_logp.masked_fill(~rest, -math.inf), -1, keepdim=True)  # [N, 1]
+    t_rest = torch.logsumexp(t_logp.masked_fill(~rest, -math.inf), -1, keepdim=True)
+    return (torch.cat([s_logp.gather(-1, idx), s_rest], -1), torch.cat([t_logp.gather(-1, idx), t_rest], -1), idx)
+
+
+def token_divergence(s_logits: Tensor, t_logits: Tensor, kind: str, *, topk: int = 0, beta: float = 0.5,
+                     mix_weights: tuple[float, ...] = (0.5, 0.0, 0.0, 0.5)) -> Tensor:
+    """Per-position divergence from logits [N, V] (the direct, unchunked form): [N]."""
+    s_logp, t_logp, _ = topk_buckets(s_logits.float(), t_logits.float(), topk)
+    return divergence(s_logp, t_logp, kind, beta=beta, mix_weights=mix_weights)
+
+
+def chunked_divergence(s_hidden: Tensor, s_head, t_hidden: Tensor, t_head, kind: str, *, topk: int = 0,
+                       beta: float = 0.5, mix_weights: tuple[float, ...] = (0.5, 0.0, 0.0, 0.5),
+                       chunk: int = 256) -> tuple[Tensor, Tensor, Tensor]:
+    """`token_divergence` over position chunks, so no [N, V] logits tensor ever exists.
+
+    Each chunk runs both LM heads on `chunk` positions ([chunk, V] float32), takes the divergence
+    and drops the logits; under autograd the chunk is checkpointed (its logits are recomputed in
+    backward), so memory is O(chunk * V) rather than O(N * V).
+
+    Args:
+        s_hidden: [N, h] student final hidden states (with grad); s_head: [n, h] -> [n, V] logits.
+        t_hidden: [N, H] teacher final hidden states; t_head: [n, H] -> [n, V] logits (run without grad).
+
+    Returns:
+        (divergence [N], student argmax [N], teacher argmax [N]).
+    """
+    from torch.utils.checkpoint import checkpoint
+
+    def one(s_h: Tensor, t_h: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        with torch.no_grad():
+            t_logits = t_head(t_h).float()
+        s_logits = s_head(s_h).float()
+        s_logp, t_logp, idx = topk_buckets(s_logits, t_logits, topk)
+        return (divergence(s_logp, t_logp, kind, beta=beta, mix_weights=mix_weights),
+                s_logits.detach().argmax(-1), idx[:, 0])
+
+    if s_hidden.shape[0] == 0:
+        empty = s_hidden.new_zeros(0, dtype=torch.long)
+        return s_hidden.sum(-1).float() * 0, empty, empty
+    divs, s_args, t_args = [], [], []
+    for lo in range(0, s_hidden.shape[0], chunk):
+        s_h, t_h = s_hidden[lo: lo + chunk], t_hidden[lo: lo + chunk]
+        d, sa, ta = checkpoint(one, s_h, t_h, use_reentrant=False) if s_h.requires_grad else one(s_h, t_h)
+        divs.append(d)
+        s_args.append(sa)
+        t_args.append(ta)
+    return torch.cat(divs), torch.cat(s_args), torch.cat(t_args)
+
+
+def draft_lm_loss(drafter, target, batch: dict[str, Tensor], feats: dict[str, Tensor], *, kind: str,
+                  topk: int = 0, beta: float = 0.5, mix_weights: tuple[float, ...] = (0.5, 0.0, 0.0, 0.5),
+                  chunk: int = 256, chain: int = 5) -> tuple[Tensor, dict]:
+    """Mean token-level divergence between teacher and student over assistant positions.
+
+    Position t (student and teacher both reading x_0..x_t) predicts x_{t+1}; it counts when
+    x_{t+1} is an assistant token (loss mask). The teacher's distribution comes from its final
+    hidden state (`feats["final"]`) through its own LM head, chunk by chunk.
+
+    Args:
+        drafter: a `DraftLM` (possibly wrapped by Accelerate).
+        target: the frozen target.
+        batch: input_ids, attention_mask, loss_mask [B, T].
+        feats: {"final": [B, T, H]} the target's final post-norm hidden states.
+        kind / topk / beta / mix_weights / chunk: see `chunked_divergence`.
+        chain: cap of the teacher-forced run length behind the simulated tau.
+
+    Returns:
+        (scalar loss, metrics: top-1 agreement with the teacher, run lengths, loss).
+    """
+    attn = batch["attention_mask"].bool()
+    valid = attn & _shift(batch["loss_mask"].bool(), 1, False)  # [B, T]
+    t_final = feats["final"][valid]  # [N, H]
+
+    def head_fn(hidden: Tensor, model) -> tuple[Tensor, Tensor, Tensor]:
+        return chunked_divergence(hidden[valid], lambda h: full_logits(model, h), t_final,
+                                  lambda h: full_logits(target, h), kind, topk=topk, beta=beta,
+                                  mix_weights=mix_weights, chunk=chunk)
+
+    div, s_arg, t_arg = drafter(batch["input_ids"], batch["attention_mask"], head_fn=head_fn)
+    n = valid.sum()
+    loss = div.sum() / n.clamp(min=1)
+    with torch.no_grad():
+        agree = torch.zeros_like(valid)
+        agree[valid] = s_arg == t_arg
+        alive, run_len = valid.clone(), torch.zeros(valid.shape, dtype=torch.long, device=valid.device)
+        for k in range(chain):  # position t's teacher-forced chain: agreements at t, t+1, ...
+            alive = alive & _shift(agree, k, False)
+            run_len += alive.long()
+    correct = int(agree.sum())
+    metrics = {"acc": [correct / max(int(n), 1)], "count": [int(n)], "correct": [correct],
+               "run_len_sum": int(run_len[valid].sum()), "run_len_n": int(n), "loss": float(loss.detach())}
     return loss, metrics

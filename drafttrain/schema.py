@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from drafttrain.config import field_
 from drafttrain.data import DataConfig
 
-METHODS = ("eagle3", "eagle1", "medusa1", "medusa2")
+METHODS = ("eagle3", "eagle1", "medusa1", "medusa2", "draft_lm")
 
 
 @dataclass
@@ -45,6 +45,23 @@ class MedusaSettings:
     lora_alpha: int = field_(16, help="Medusa-2: LoRA alpha")
     lora_target_modules: list[str] = field_(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], help="Medusa-2: module names that get LoRA")
     save_merged: bool = field_(False, help="Medusa-2: also save the adapter-merged target in <drafter>/merged_target")
+
+
+@dataclass
+class DraftLMSettings:
+    num_layers: int = field_(2, help="student layers when built from the target's config")
+    hidden_size: int = field_(0, help="student width; 0 = the target's (then target tensors are copied in)")
+    init_layers: list[int] = field_(default_factory=list, help="target layer copied into each student layer; empty = evenly spaced, first and last included")
+    init_from: str = field_("", help="start from this HF causal LM id / path instead (its tokenizer must match the target's)")
+    freeze_embeddings: bool = field_(False, help="keep the input embedding and LM head fixed (with a tied head: most of a small student's parameters)")
+    divergence: str = field_("fkl", help="teacher-student divergence per assistant token", choices=("fkl", "rkl", "jsd", "tvd", "mix"))
+    jsd_beta: float = field_(0.5, help="beta of JSD(beta) = beta KL(p||m) + (1-beta) KL(q||m), m = beta p + (1-beta) q")
+    mix_weights: list[float] = field_(default_factory=lambda: [0.5, 0.0, 0.0, 0.5], help="divergence=mix: weights of fkl, rkl, jsd, tvd")
+    teacher_topk: int = field_(0, help="teacher distribution truncated to its top-k tokens plus one rest bucket; 0 = full vocab")
+    chunk_size: int = field_(256, help="positions per LM-head chunk (no [T, V] logits tensor is held)")
+    on_policy_rate: float = field_(0.0, help="probability that a batch's responses are the student's own samples (scored by the teacher)")
+    on_policy_max_new_tokens: int = field_(128, help="max tokens per on-policy student sample")
+    on_policy_temperature: float = field_(1.0, help="sampling temperature of on-policy student samples (0 = greedy)")
 
 
 @dataclass
@@ -107,6 +124,7 @@ class TrainConfig:
     train: TrainSettings = field_(default_factory=TrainSettings, help="")
     features: FeatureSettings = field_(default_factory=FeatureSettings, help="")
     medusa: MedusaSettings = field_(default_factory=MedusaSettings, help="")
+    draft_lm: DraftLMSettings = field_(default_factory=DraftLMSettings, help="")
     wandb: WandbSettings = field_(default_factory=WandbSettings, help="")
 
     @property

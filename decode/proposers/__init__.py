@@ -5,6 +5,8 @@ Registry (spec string -> proposer):
     "early-exit:K"            the target's first K layers (EarlyExitProposer)
     <drafter folder>          drafttrain drafter (config.json "method": eagle3 / eagle1 / medusa1 /
                               medusa2; Medusa-2 needs its adapted target, see MedusaProposer)
+    <draft LM folder>         drafttrain draft LM (drafttrain.json beside HF's config.json; checked
+                              against the target's vocab and tokenizer hash) (DraftLMProposer)
     <HF causal LM path / id>  standalone draft LM with the target's tokenizer (DraftLMProposer)
 A `Proposer` instance passes through; an `EagleDrafter` or an HF causal-LM module is wrapped.
 
@@ -65,6 +67,12 @@ def load_proposer(spec_or_path, target: nn.Module, *, tokenizer=None, **options)
     if name in PROPOSERS and not Path(spec).exists():
         return PROPOSERS[name](target, arg or None, **options)
     folder = Path(spec)
+    if (folder / "drafttrain.json").is_file():  # a drafttrain draft LM: a plain HF folder + metadata
+        from drafttrain.models.draft_lm import load_draft_lm
+
+        model = load_draft_lm(folder, target, tokenizer)
+        _check_vocab(model, target)
+        return DraftLMProposer(model, **options)
     if (folder / "config.json").is_file():
         method = _drafter_method(folder / "config.json")
         if method in ("eagle3", "eagle1"):
@@ -112,6 +120,10 @@ def _wrap_module(module: nn.Module, target: nn.Module, **options) -> Proposer:
     if isinstance(module, MedusaHeads):
         tc = getattr(target.config, "text_config", None) or target.config
         return MedusaProposer(module, tc.num_hidden_layers, **options)
+    from drafttrain.models.draft_lm import DraftLM
+
+    if isinstance(module, DraftLM):  # the trainer's wrapper around an HF causal LM
+        module = module.model
     _check_vocab(module, target)
     return DraftLMProposer(module, **options)
 

@@ -125,6 +125,13 @@ def serve_commands(meta: dict, *, model_ref: str, verifier: str, fmt: str, trust
         if fmt != "sglang":
             sglang = f"# export with `drafttrain export DRAFTER --format sglang --out DIR` first, then (draft = DIR):\n{sglang}"
         return f"vLLM:\n\n```bash\n{vllm}\n```\n\nSGLang:\n\n```bash\n{sglang}\n```\n"
+    if method == "draft_lm":
+        spec = json.dumps({"model": model_ref, "num_speculative_tokens": 5})
+        return (f"transformers: `target.generate(**inputs, assistant_model=AutoModelForCausalLM.from_pretrained("
+                f"{model_ref!r}))`\n\nvLLM (draft model):\n\n```bash\nvllm serve {v}{trc} --speculative-config "
+                f"{shlex.quote(spec)}\n```\n\nSGLang:\n\n```bash\npython -m sglang.launch_server --model-path {v}{trc} "
+                f"--speculative-algorithm STANDALONE --speculative-draft-model-path {m} --speculative-num-steps 4 "
+                "--speculative-eagle-topk 1 --speculative-num-draft-tokens 5\n```\n")
     if method in ("medusa1", "medusa2"):
         k = (meta.get("drafter") or {}).get("num_heads", 3)
         spec = json.dumps({"method": "medusa", "model": model_ref, "num_speculative_tokens": k})
@@ -150,6 +157,8 @@ def render_card(meta: dict, *, fmt: str, model_ref: str, verifier: str | None = 
     aux_line = f"- aux layers: {aux} (HF `hidden_states` indices: 0 = embeddings, j = output of layer j-1)"
     if engine_aux:
         aux_line += f"; in {engine_aux[0]}'s numbering: {engine_aux[1]}"
+    if method == "draft_lm":  # reads no target hidden states
+        aux_line = "- a standalone causal LM with the target's tokenizer (reads no target hidden states)"
     settings = {k: dr[k] for k in ("draft_vocab_size", "ttt_steps", "step_weight", "feature_weight", "ce_weight",
                                    "noise", "mask_out_of_vocab") if k in dr}
     settings.update({f"train.{k}": ts[k] for k in ("lr", "batch_size", "grad_accum", "max_steps", "epochs",

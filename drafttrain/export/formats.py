@@ -4,7 +4,10 @@ Formats (`FORMATS`), each with the loader it was checked against:
 
 - `hf`: the drafttrain drafter folder itself (config.json with the `drafttrain` block,
   model.safetensors, README.md), re-written from the loaded tensors with secrets scrubbed. Checked
-  by loading it back with `drafttrain.models.eagle.load_drafter`.
+  by loading it back with `drafttrain.models.eagle.load_drafter`. A draft LM (`draft_lm`) exports
+  as a plain HF causal LM (HF's config.json, weights, tokenizer, generation config; drafttrain.json
+  left out), checked with `AutoModelForCausalLM.from_pretrained`; engines take that folder as
+  their draft model, so it has no vllm / sglang layout.
 - `sglang` (EAGLE-3): `LlamaForCausalLMEagle3`, sgl-project/sglang
   python/sglang/srt/models/llama_eagle3.py. Keys `fc.weight` (3H -> H, no bias unless
   config.bias), `midlayer.{input_layernorm,hidden_norm,post_attention_layernorm}.weight`,
@@ -96,6 +99,7 @@ class ExportPlan:
     spec: dict[str, tuple[tuple[int, ...], torch.dtype]]  # the format's full key set
     config: dict
     required_config: dict[str, object] = field(default_factory=dict)  # dotted path -> value
+    extra_files: dict[str, str] = field(default_factory=dict)  # name in the export -> source file (copied)
 
 
 # ---- aux layer numbering ------------------------------------------------------------------------
@@ -237,9 +241,11 @@ def plan_export(meta: dict, sd: dict[str, Tensor], fmt: str, *, verifier: str | 
     method = meta.get("method", "")
     if method in ("medusa1", "medusa2"):
         return _plan_medusa(meta, sd, fmt)
+    if method == "draft_lm":
+        return _plan_draft_lm(meta, sd, fmt)
     if method not in ("eagle3", "eagle1"):
-        raise ExportError(f"cannot export method {method!r} yet (exportable: eagle3, eagle1, medusa1, medusa2; "
-                          "draft-LM exports land with their recipe)")
+        raise ExportError(f"cannot export method {method!r} yet (exportable: eagle3, eagle1, medusa1, medusa2, "
+                          "draft_lm)")
     c = EagleConfig(**meta["drafter"])
     validate_vocab_mapping(sd["d2t"], sd["t2d"])
     fdt = _float_dtype(sd)
@@ -377,6 +383,21 @@ def _plan_medusa(meta: dict, sd: dict[str, Tensor], fmt: str) -> ExportPlan:
     return ExportPlan(fmt, method, tensors, sources, omitted, spec, config, req)
 
 
+def _plan_draft_lm(meta: dict, sd: dict[str, Tensor], fmt: str) -> ExportPlan:
+    """A draft LM is a plain HF causal LM: `hf` writes its config.json (HF's, without drafttrain's
+    metadata), weights, tokenizer and generation config. vLLM and SGLang load that same folder as
+    their draft model, so they get no layout of their own."""
+    if fmt != "hf":
+        raise ExportError(f"a draft LM is a plain HF causal LM: export it with --format hf and give that folder to "
+                          f"{'vLLM' if fmt == 'vllm' else 'SGLang'} as the draft model")
+    hf = meta["hf_config"]
+    spec = {k: (tuple(v.shape), v.dtype) for k, v in sd.items()}
+    req = {k: hf[k] for k in ("architectures", "model_type", "vocab_size", "num_hidden_layers", "hidden_size")
+           if k in hf}
+    return ExportPlan(fmt, "draft_lm", tensors=dict(sd), sources={k: k for k in sd}, omitted={}, spec=spec,
+                      config=hf, required_config=req, extra_files=dict(meta.get("hf_files", {})))
+
+
 # ---- writing and checking -----------------------------------------------------------------------
 def _get(config: dict, dotted: str):
     cur: object = config
@@ -404,6 +425,8 @@ def write_export(plan: ExportPlan, out: str | Path, card: str) -> Path:
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(plan.config, indent=2, default=str) + "\n")
         (tmp / "README.md").write_text(card)
+        for name, src in plan.extra_files.items():  # tokenizer, generation config (text files)
+            (tmp / name).write_bytes(Path(src).read_bytes())
     return out
 
 
@@ -450,7 +473,11 @@ def _engine_config_loads(out: Path, plan: ExportPlan, config: dict) -> list[str]
     from transformers import LlamaConfig
 
     try:
-        if plan.fmt == "hf" and plan.method in ("medusa1", "medusa2"):
+        if plan.method == "draft_lm":
+            from transformers import AutoModelForCausalLM
+
+            AutoModelForCausalLM.from_pretrained(str(out))
+        elif plan.fmt == "hf" and plan.method in ("medusa1", "medusa2"):
             from drafttrain.models.medusa import load_medusa
 
             load_medusa(out)
@@ -487,8 +514,25 @@ def read_source(folder: str | Path) -> tuple[dict, dict[str, Tensor]]:
     if not folder.is_dir():
         raise ExportError(f"drafter folder {folder} does not exist")
     check_folder(folder)
+    if (folder / "drafttrain.json").is_file():  # a draft LM: HF folder + drafttrain metadata beside it
+        return _read_draft_lm(folder)
     try:
         meta = read_drafter_config(folder)
     except ValueError as e:
         raise ExportError(str(e)) from e
     return meta, load_tensors(folder / "model.safetensors")
+
+
+def _read_draft_lm(folder: Path) -> tuple[dict, dict[str, Tensor]]:
+    """A draft-LM folder's drafttrain.json (+ HF config and side files) and its tensors (all shards)."""
+    meta = json.loads((folder / "drafttrain.json").read_text())
+    meta["hf_config"] = json.loads((folder / "config.json").read_text())
+    side = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+            "chat_template.jinja", "tokenizer.model")
+    meta["hf_files"] = {n: str(folder / n) for n in side if (folder / n).is_file()}
+    sd: dict[str, Tensor] = {}
+    for p in sorted(folder.glob("*.safetensors")):
+        sd.update(load_tensors(p))
+    if not sd:
+        raise ExportError(f"{folder} holds no .safetensors weights")
+    return meta, sd

@@ -1,0 +1,143 @@
+"""`drafttrain regenerate`: the target writes its own answers to the training prompts.
+
+Each usable conversation of `data.path` gives one prompt (its system turn(s) and first user turn,
+rendered with the same template as training); the target samples a response in batches and
+every finished batch is appended to `out` as JSONL lines
+
+    {"id": "<conversation key>", "messages": [{"role": "user", ...}, {"role": "assistant", ...}]}
+
+(OpenAI `messages` form, so `data.path=<out>` trains on it). A rerun appends: ids already in
+the file are skipped, and a line cut short by a kill is dropped first. Each record samples from
+its own seed (seed, id), so a resumed file holds the same responses a single run would.
+
+What it does not do: regenerate later turns of multi-turn conversations (the response is one
+turn), filter or score responses, or run the target through our speculative decoder.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from drafttrain.config import field_
+from drafttrain.data import DataConfig
+
+
+@dataclass
+class RegenerateConfig:
+    recipe: str = field_("", help="optional YAML file with any of these keys (e.g. a training recipe's data block)")
+    target: str = field_("gemma-3-270m", help="target: packaged alias, HF hub id, local folder or .gguf file")
+    target_revision: str = field_("", help="hub revision of the target")
+    dtype: str = field_("auto", help="target dtype", choices=("auto", "bfloat16", "float32", "float16"))
+    trust_remote_code: bool = field_(False, help="allow custom modelling code from the target's repo")
+    data: DataConfig = field_(default_factory=DataConfig, help="")
+    out: str = field_("", help="JSONL file to write (appended to on rerun; done ids are skipped)")
+    num_prompts: int = field_(0, help="first N usable conversations; 0 = all")
+    batch_size: int = field_(8, help="prompts sampled together")
+    max_new_tokens: int = field_(256, help="max tokens per response")
+    temperature: float = field_(1.0, help="sampling temperature (0 = greedy)")
+    top_p: float = field_(1.0, help="nucleus sampling mass (1 = off)")
+    seed: int = field_(0, help="sampling seed (each record also mixes in its id)")
+
+
+HELP_TEXT = """usage: drafttrain regenerate target=MODEL data.path=CONVERSATIONS out=FILE.jsonl [key=value ...]
+
+The target answers the first user turn of every training conversation (batched sampling) and the
+answers are appended to FILE.jsonl in OpenAI `messages` form; train on them with data.path=FILE.jsonl.
+Resumable: rerun the same command after a kill and it continues where it stopped.
+"""
+
+
+def read_done(path: Path) -> set[str]:
+    """Ids already in `path`; a trailing partial line (a killed write) is cut off the file first."""
+    if not path.exists():
+        return set()
+    raw = path.read_bytes()
+    keep = raw.rfind(b"\n") + 1  # everything after the last newline is an unfinished line
+    if keep < len(raw):
+        with open(path, "r+b") as f:
+            f.truncate(keep)
+    done = set()
+    for line in raw[:keep].decode("utf-8").splitlines():
+        if line.strip():
+            done.add(json.loads(line)["id"])
+    return done
+
+
+def prompts_of(cfg: RegenerateConfig, tokenizer) -> list[tuple[str, list[dict], list[int]]]:
+    """(id, prompt messages, prompt ids) per usable conversation, in file order, without duplicates."""
+    from drafttrain.chat import render_prompt
+    from drafttrain.data import load_conversations
+
+    out, seen = [], set()
+    for rec in load_conversations(cfg.data):
+        messages = rec["messages"]
+        if messages[0]["role"] == "text" or rec["key"] in seen:
+            continue
+        seen.add(rec["key"])
+        first_user = next(j for j, m in enumerate(messages) if m["role"] == "user")
+        prefix = messages[: first_user + 1]
+        out.append((rec["key"], prefix, render_prompt(tokenizer, prefix, cfg.data.template, cfg.data.system_prompt)))
+        if cfg.num_prompts and len(out) >= cfg.num_prompts:
+            break
+    return out
+
+
+def regenerate(cfg: RegenerateConfig, *, progress: bool = True) -> dict:
+    """Write the target's responses to `cfg.out`; returns {"written", "skipped", "out"}."""
+    import torch
+    from tqdm.auto import tqdm
+
+    from drafttrain.data import DataError
+    from drafttrain.rollouts import eos_ids, sample_responses
+    from drafttrain.targets import load_target
+
+    if not cfg.out:
+        raise DataError("regenerate needs out=FILE.jsonl (where the responses go)")
+    if cfg.batch_size < 1 or cfg.max_new_tokens < 1:
+        raise DataError("regenerate needs batch_size >= 1 and max_new_tokens >= 1")
+    out = Path(cfg.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    target, tokenizer, _ = load_target(cfg.target, dtype=cfg.dtype, device=device,
+                                       revision=cfg.target_revision or None, trust_remote_code=cfg.trust_remote_code)
+    done = read_done(out)
+    todo = [p for p in prompts_of(cfg, tokenizer) if p[0] not in done]
+    eos = eos_ids(target, tokenizer)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    bar = tqdm(total=len(todo), desc="regenerate", unit="resp", disable=not progress, dynamic_ncols=True)
+    written = 0
+    with open(out, "a", encoding="utf-8") as f:
+        for lo in range(0, len(todo), cfg.batch_size):
+            batch = todo[lo: lo + cfg.batch_size]
+            seeds = [cfg.seed * 1_000_003 + int(key[:12], 16) for key, _, _ in batch]
+            samples = sample_responses(target, [ids for _, _, ids in batch], max_new_tokens=cfg.max_new_tokens,
+                                       eos=eos, seeds=seeds, temperature=cfg.temperature, top_p=cfg.top_p,
+                                       pad_id=pad)
+            for (key, prefix, _), toks in zip(batch, samples):
+                text = tokenizer.decode([t for t in toks if t not in eos], skip_special_tokens=True)
+                rec = {"id": key, "messages": [*prefix, {"role": "assistant", "content": text}]}
+                f.write(json.dumps(rec, ensure_ascii=False) + "\n")
+            f.flush()
+            os.fsync(f.fileno())  # a finished batch survives a kill
+            written += len(batch)
+            bar.update(len(batch))
+    bar.close()
+    return {"written": written, "skipped": len(done), "out": str(out)}
+
+
+def cmd_regenerate(argv: list[str]) -> None:
+    """Entry point for `drafttrain regenerate`."""
+    from drafttrain.config import parse_args
+
+    res = regenerate(parse_args(argv, RegenerateConfig))
+    print(f"drafttrain: regenerate wrote {res['written']} responses to {res['out']} "
+          f"({res['skipped']} already there); train with data.path={res['out']}")
+
+
+def help_text() -> str:
+    from drafttrain.config import format_help
+
+    return format_help(RegenerateConfig, HELP_TEXT + "\nkeys (default, meaning):")
