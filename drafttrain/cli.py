@@ -16,6 +16,7 @@ USAGE = """usage: drafttrain COMMAND [key=value ...]
 commands:
   train     train a drafter            (drafttrain train recipe=eagle train.max_steps=100)
   prepare   cache target features      (drafttrain prepare recipe=eagle features.mode=offline)
+  regenerate target-written responses  (drafttrain regenerate data.path=chat.json out=regen.jsonl)
   recipes   list the shipped recipes
   export    drafter -> hf|vllm|sglang  (drafttrain export runs/eagle/drafter --format vllm --out out/vllm)
   eval      measure drafters           (drafttrain eval proposers=ngram,early-exit:6 bench=mtbench)
@@ -89,7 +90,7 @@ def cmd_train(argv: list[str]) -> None:
         print(dump_yaml(cfg), end="")
         return
     summary = train(cfg)
-    if "stopped_at" not in summary:
+    if "stopped_at" not in summary and os.environ.get("RANK", "0") == "0":  # once under accelerate launch
         print(format_summary(summary))
 
 
@@ -137,9 +138,21 @@ def cmd_export(argv: list[str]) -> None:
     _export_command().cmd_export(argv)
 
 
+def cmd_regenerate(argv: list[str]) -> None:
+    from drafttrain.regenerate import cmd_regenerate as run
+
+    run(argv)
+
+
+def _regenerate_help() -> str:
+    from drafttrain.regenerate import help_text
+
+    return help_text()
+
+
 COMMANDS = {"train": cmd_train, "prepare": cmd_prepare, "recipes": cmd_recipes, "eval": cmd_eval,
-            "export": cmd_export}
-HELP = {"train": _train_help, "eval": _eval_help,
+            "export": cmd_export, "regenerate": cmd_regenerate}
+HELP = {"train": _train_help, "eval": _eval_help, "regenerate": _regenerate_help,
         "export": lambda: _export_command().HELP, "prepare": lambda: "usage: drafttrain prepare recipe=NAME [key=value ...]\n\n"
         "Computes the target features the recipe needs for every training record and writes them to\n"
         "features.cache_dir (default <output_dir>/features) in bf16 shards. Resumable: a killed run\n"

@@ -18,14 +18,17 @@ def prepare(cfg: TrainConfig) -> Path:
     from drafttrain.features import FeatureSpec, estimate_bytes, human_bytes, write_feature_cache
     from drafttrain.models.eagle import default_aux_layer_ids
     from drafttrain.targets import load_target, num_layers
+    from drafttrain.trainer import cpu_processes
 
-    state = PartialState()
+    state = PartialState(cpu=cpu_processes())
     target, tokenizer, info = load_target(cfg.target, dtype=cfg.dtype, device=state.device,
                                           revision=cfg.target_revision or None,
                                           trust_remote_code=cfg.trust_remote_code)
     with state.main_process_first():
         train_ds, _, report = build_datasets(cfg.data, tokenizer)
     aux = cfg.drafter.aux_layer_ids or default_aux_layer_ids(num_layers(target), cfg.method)
+    if cfg.method in ("medusa1", "medusa2", "draft_lm"):  # they read the final hidden state only
+        aux = []
     spec = FeatureSpec(cfg.method, list(aux))
     out = Path(cfg.features.cache_dir or Path(cfg.run_dir) / "features")
     hidden = (getattr(target.config, "text_config", None) or target.config).hidden_size

@@ -9,12 +9,20 @@ the scheduler and `trainer_state.json` (step, epoch, position in the epoch); eac
 a temp folder and renamed, so a killed run always leaves the last complete one. `train.resume`
 continues from it with the same data order.
 
+Several processes (recipes/accelerate/*.yaml): without CUDA they are joined by gloo
+(`_launch_kwargs`); stop decisions (signal, time limit) are agreed by all ranks before anyone
+saves (`agreed`); the target is loaded as a full replica even under ZeRO-3 (`full_replica`); the
+final drafter is gathered from FSDP / ZeRO-3 shards (`gathered_drafter`).
+
 Medusa heads (`medusa1`, `medusa2`) run through the same loop: `build_drafter` builds the heads,
 `wrap_target_for_method` puts Medusa-2's LoRA adapter on the target (the one place PEFT is
 applied), `loss_step` picks the loss, and the final save adds the static tree learned from
 held-out head accuracies (and Medusa-2's adapter).
 
-What it does not do: subclass transformers' Trainer, or train draft LMs (their own recipe).
+Draft LMs (`draft_lm`) too: `build_drafter` builds the student (drafttrain.distill), `loss_step`
+takes the divergence (with on-policy batches mixed in), and the drafter folder is a plain HF one.
+
+What it does not do: subclass transformers' Trainer.
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ import shutil
 import signal
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -102,6 +111,7 @@ def save_checkpoint(accelerator, run_dir: Path, state: dict, scheduler, keep: in
         shutil.rmtree(tmp, ignore_errors=True)
     accelerator.wait_for_everyone()
     accelerator.save_state(str(tmp), safe_serialization=True)
+    accelerator.wait_for_everyone()  # every rank's RNG file / shard is in tmp before the rename
     if accelerator.is_main_process:
         torch.save(scheduler.state_dict(), tmp / "scheduler_lambda.pt")
         (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2))
@@ -160,6 +170,26 @@ class StepMetrics:
 
 
 # ---- the run ------------------------------------------------------------------------------------
+def cpu_processes() -> bool:
+    """True when a launcher started several processes on a machine without CUDA.
+
+    Accelerate then needs `cpu=True` to join them with gloo; without it each process silently
+    trains alone (and all of them write the same run folder).
+    """
+    return not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+def _launch_kwargs() -> dict:
+    """Accelerator arguments for CPU processes: gloo under DeepSpeed (which refuses cpu=True), else cpu=True."""
+    if not cpu_processes():
+        return {}
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
+        from accelerate.utils import InitProcessGroupKwargs
+
+        return {"kwargs_handlers": [InitProcessGroupKwargs(backend="gloo")]}
+    return {"cpu": True}
+
+
 def _mixed_precision(cfg: TrainConfig, target_dtype: torch.dtype) -> str:
     mp = cfg.train.mixed_precision
     if mp == "auto":
@@ -175,6 +205,10 @@ def loss_step(cfg: TrainConfig, drafter, target, batch: dict, feats: dict, step:
     from drafttrain.losses import eagle1_loss, eagle3_loss, medusa2_loss, medusa_loss
 
     d, m = cfg.drafter, cfg.medusa
+    if cfg.method == "draft_lm":  # a small causal LM distilled from the target (drafttrain.distill)
+        from drafttrain.distill import draft_lm_step
+
+        return draft_lm_step(cfg, drafter, target, batch, feats, step)
     if cfg.method == "medusa1":
         return medusa_loss(drafter, target, batch, feats["final"], step_weight=d.step_weight,
                            self_distill=m.self_distill, topk=m.topk)
@@ -254,6 +288,10 @@ def build_drafter(cfg: TrainConfig, target, train_ds, accelerator):
 
     if cfg.method in MEDUSA:
         return build_medusa(cfg, target, train_ds, accelerator)
+    if cfg.method == "draft_lm":
+        from drafttrain.distill import build_draft_lm
+
+        return build_draft_lm(cfg, target, accelerator)
     tcfg = getattr(target.config, "text_config", None) or target.config
     vd = cfg.drafter.draft_vocab_size or tcfg.vocab_size
     ecfg = config_from_target(target.config, cfg.method, draft_vocab_size=vd,
@@ -398,6 +436,18 @@ def medusa_extras(cfg: TrainConfig, heads, target, held_ds, tokenizer, pad: int)
     return fields, write
 
 
+def agreed(accelerator, *flags: bool) -> tuple[bool, ...]:
+    """Each flag OR-ed over processes, so all of them save and stop at the same step.
+
+    A signal or the time limit can reach one process a step before another; acting on the local
+    flag would leave the others waiting forever in the checkpoint's collectives.
+    """
+    if accelerator.num_processes == 1:
+        return flags
+    t = torch.tensor([int(f) for f in flags], device=accelerator.device)
+    return tuple(bool(v) for v in accelerator.reduce(t, reduction="sum").tolist())
+
+
 class _StopFlag:
     """SIGTERM / SIGINT: finish the current step, save a checkpoint, exit cleanly."""
 
@@ -425,6 +475,47 @@ class _StopFlag:
         return False
 
 
+@contextmanager
+def full_replica(accelerator) -> Iterator[None]:
+    """Load the frozen target unpartitioned under DeepSpeed ZeRO-3.
+
+    Accelerate registers its DeepSpeed config with transformers, and transformers then creates
+    every `from_pretrained` model partitioned under ZeRO-3. The target is not part of the DeepSpeed
+    engine, so nothing would gather its weights: it must be a plain replica.
+    """
+    plugin = accelerator.state.deepspeed_plugin if accelerator.distributed_type == "DEEPSPEED" else None
+    if plugin is None:
+        yield
+        return
+    from transformers.integrations import unset_hf_deepspeed_config
+
+    unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        plugin.set_deepspeed_weakref()
+
+
+def gathered_drafter(accelerator, drafter, target):
+    """The unwrapped drafter with full weights, for saving.
+
+    Under FSDP / ZeRO-3 the wrapped module only holds this process's shard, so the full state dict
+    is gathered (a collective: every process must call this) into a fresh copy. DDP, ZeRO-2 and a
+    single process return the unwrapped module itself.
+    """
+    raw = accelerator.unwrap_model(drafter)
+    if accelerator.distributed_type not in ("DEEPSPEED", "FSDP"):
+        return raw
+    full = accelerator.get_state_dict(drafter)  # complete on the main process
+    if not accelerator.is_main_process:
+        return raw
+    fresh = type(raw)(raw.cfg) if hasattr(raw, "cfg") else type(raw)(raw.config)  # ours / an HF draft LM
+    fresh.load_state_dict({k: v.to("cpu") for k, v in full.items()})
+    if hasattr(fresh, "attach_target"):
+        fresh.attach_target(target)
+    return fresh.to(device=accelerator.device)
+
+
 def train(cfg: TrainConfig) -> dict:
     """Run one training job; returns the summary dict (also written to <run>/summary.json)."""
     from accelerate import Accelerator
@@ -443,19 +534,28 @@ def train(cfg: TrainConfig) -> dict:
         gradient_accumulation_steps=cfg.train.grad_accum,
         mixed_precision=_mixed_precision(cfg, target_dtype),
         step_scheduler_with_optimizer=False,
+        **_launch_kwargs(),
     )
+    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" and accelerator.distributed_type != "FSDP":
+        log(accelerator, f"drafttrain: warning: FSDP was requested but Accelerate runs {accelerator.distributed_type.value} "
+            "here (it has no FSDP for CPU processes)")
     set_seed(cfg.seed)
     if accelerator.is_main_process:
-        run_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            run_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise TrainingError(f"output_dir {run_dir} cannot be created ({e.strerror}); choose another "
+                                f"output_dir=") from e
         if not os.access(run_dir, os.W_OK):
             raise TrainingError(f"output_dir {run_dir} is not writable; choose another output_dir=")
         dump_yaml(cfg, run_dir / "config.yaml")
 
     # ---- setup: target, data, drafter --------------------------------------------------------
     log(accelerator, f"drafttrain: loading target {cfg.target} ({cfg.dtype})")
-    target, tokenizer, info = load_target(cfg.target, dtype=cfg.dtype, device=accelerator.device,
-                                          revision=cfg.target_revision or None,
-                                          trust_remote_code=cfg.trust_remote_code)
+    with full_replica(accelerator):
+        target, tokenizer, info = load_target(cfg.target, dtype=cfg.dtype, device=accelerator.device,
+                                              revision=cfg.target_revision or None,
+                                              trust_remote_code=cfg.trust_remote_code)
     with accelerator.main_process_first():
         train_ds, held_ds, report = build_datasets(cfg.data, tokenizer)
     log(accelerator, report.summary())
@@ -554,6 +654,7 @@ def train(cfg: TrainConfig) -> dict:
                         loss, met = loss_step(cfg, drafter, target, batch, feats, step=state["step"])
                     if not torch.isfinite(loss):
                         kept = latest_checkpoint(run_dir)
+                        bar.close()  # so the error starts its own line, not the progress bar's
                         raise TrainingError(
                             f"loss is {loss.item()} at step {state['step'] + 1} (epoch {state['epoch']}, batch "
                             f"{state['micro_in_epoch']}); stopped. Last good checkpoint: {kept or 'none'}"
@@ -600,11 +701,12 @@ def train(cfg: TrainConfig) -> dict:
                     bar.close()
                     return {"stopped_at": state["step"]}
                 out_of_time = cfg.train.max_minutes and state["train_time_s"] > 60 * cfg.train.max_minutes
+                stop_now, out_of_time = agreed(accelerator, stop.stop, bool(out_of_time))
                 if out_of_time:
                     log(accelerator, f"drafttrain: train.max_minutes={cfg.train.max_minutes} reached at step {state['step']}")
-                if cfg.train.save_every and state["step"] % cfg.train.save_every == 0 or stop.stop:
+                if cfg.train.save_every and state["step"] % cfg.train.save_every == 0 or stop_now:
                     save_checkpoint(accelerator, run_dir, state, scheduler, cfg.train.keep_checkpoints)
-                if stop.stop:
+                if stop_now:
                     log(accelerator, f"drafttrain: stopped by signal at step {state['step']}; resume with train.resume=true")
                     bar.close()
                     tracker.finish()
@@ -627,7 +729,7 @@ def train(cfg: TrainConfig) -> dict:
         log(accelerator, f"drafttrain: decoding {len(decode_prompts)} held-out prompts with the drafter (real tau)")
         final_eval.update(decode_eval(cfg, drafter, target, decode_prompts, accelerator))
     tracker.log(final_eval, step=state["step"])
-    raw = accelerator.unwrap_model(drafter)
+    raw = gathered_drafter(accelerator, drafter, target)
     summary = {
         "drafter_dir": str(run_dir / "drafter"),
         "method": cfg.method,

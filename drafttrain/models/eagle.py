@@ -173,7 +173,11 @@ def _expand_kv(x: Tensor, groups: int) -> Tensor:
     return x if groups == 1 else x.repeat_interleave(groups, dim=1)
 
 
-def ttt_attention(q: Tensor, keys: list[Tensor], values: list[Tensor], valid: Tensor | None) -> Tensor:
+TTT_QUERY_CHUNK = 1024  # query rows per block; 0 = one dense block (see ttt_attention)
+
+
+def ttt_attention(q: Tensor, keys: list[Tensor], values: list[Tensor], valid: Tensor | None,
+                  chunk: int = TTT_QUERY_CHUNK) -> Tensor:
     """Training-time-test attention without the (L x L*k) blow-up.
 
     Step k of the unroll at base position t must see what the drafter sees at inference: the
@@ -181,26 +185,56 @@ def ttt_attention(q: Tensor, keys: list[Tensor], values: list[Tensor], valid: Te
     entries from steps 1..k at the same base position (the diagonal of keys[1..k]). So the
     scores are one causal [T, T] block plus k diagonal columns, O(T^2 + kT), not O(k T^2).
 
+    Sequences longer than `chunk` go in query blocks of `chunk` rows, each recomputed in the
+    backward pass (activation checkpointing), so autograd keeps no [B, h, T, T] fp32 tensor per
+    unroll step: at T = 4096 that is 64 MiB per head and batch row, times 3-4 saved copies,
+    times 7 steps. Block i only reads keys 0..end of block i (causal). chunk = 0 = one block.
+
     q [B, h, T, d]; keys / values: lists of [B, kv, T, d]; valid [B, T] bool (padding keys off).
     Returns [B, h, T, d].
     """
-    B, h, T, d = q.shape
+    T = q.shape[2]
+    if not chunk or T <= chunk:
+        return _ttt_block(q, keys, values, valid, 0)
+    from torch.utils.checkpoint import checkpoint
+
+    outs = []
+    for a in range(0, T, chunk):
+        b = min(T, a + chunk)
+        ks = [keys[0][:, :, :b], *(k[:, :, a:b] for k in keys[1:])]
+        vs = [values[0][:, :, :b], *(v[:, :, a:b] for v in values[1:])]
+        vb = valid[:, :b] if valid is not None else None
+        if torch.is_grad_enabled():
+            outs.append(checkpoint(_ttt_block, q[:, :, a:b], ks, vs, vb, a, use_reentrant=False))
+        else:
+            outs.append(_ttt_block(q[:, :, a:b], ks, vs, vb, a))
+    return torch.cat(outs, dim=2)
+
+
+def _ttt_block(q: Tensor, keys: list[Tensor], values: list[Tensor], valid: Tensor | None, start: int) -> Tensor:
+    """Queries start..start+C-1 of `ttt_attention`.
+
+    q [B, h, C, d]; keys[0] / values[0] [B, kv, S, d] with S = start + C (the causal prefix);
+    keys[1:] / values[1:] [B, kv, C, d] (the same rows' own chain); valid [B, S]. Returns [B, h, C, d].
+    """
+    B, h, C, d = q.shape
+    S = keys[0].shape[2]
     groups = h // keys[0].shape[1]
     scale = 1.0 / math.sqrt(d)
     k0 = _expand_kv(keys[0], groups)
     v0 = _expand_kv(values[0], groups)
-    s0 = torch.matmul(q, k0.transpose(-1, -2)).float() * scale  # [B, h, T, T]
-    causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+    s0 = torch.matmul(q, k0.transpose(-1, -2)).float() * scale  # [B, h, C, S]
+    causal = torch.ones(C, S, dtype=torch.bool, device=q.device).tril(start)  # row i sees keys <= start + i
     mask = causal[None, None]
     if valid is not None:
         mask = mask & valid[:, None, None, :]
     s0 = s0.masked_fill(~mask, float("-inf"))
-    diag = [(q * _expand_kv(k, groups)).sum(-1, keepdim=True).float() * scale for k in keys[1:]]  # [B,h,T,1]
-    scores = torch.cat([s0, *diag], dim=-1)  # [B, h, T, T + k]
+    diag = [(q * _expand_kv(k, groups)).sum(-1, keepdim=True).float() * scale for k in keys[1:]]  # [B,h,C,1]
+    scores = torch.cat([s0, *diag], dim=-1)  # [B, h, C, S + k]
     probs = torch.softmax(scores, dim=-1).to(q.dtype)
-    out = torch.matmul(probs[..., :T], v0)
+    out = torch.matmul(probs[..., :S], v0)
     for j, v in enumerate(values[1:]):
-        out = out + probs[..., T + j : T + j + 1] * _expand_kv(v, groups)
+        out = out + probs[..., S + j : S + j + 1] * _expand_kv(v, groups)
     return out
 
 
@@ -246,6 +280,7 @@ class EagleDrafter(nn.Module):
         # Not submodules: never saved, never trained, never moved by .to() on the drafter.
         self._target_embed: list[nn.Module] = []
         self._target_head: list[nn.Module] = []
+        self.ttt_chunk = TTT_QUERY_CHUNK  # training only; not saved
 
     # ---- wiring -------------------------------------------------------------------------------
     def attach_target(self, target: nn.Module) -> EagleDrafter:
@@ -380,7 +415,7 @@ class EagleDrafter(nn.Module):
             q, kk, vv = attn.qkv(x, base + 1 + k)
             keys.append(kk)
             values.append(vv)
-            o = ttt_attention(q, keys, values, valid)
+            o = ttt_attention(q, keys, values, valid, self.ttt_chunk)
             hidden = self._finish(attn.out(o), residual)
             outputs.append((self.logits(hidden), hidden))
         return outputs
