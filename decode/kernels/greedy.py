@@ -30,10 +30,10 @@ def greedy_lm_head_argmax(hidden: Tensor, weight: Tensor, softcap: float | None 
 
 def greedy_lm_head_argmax_ref(hidden: Tensor, weight: Tensor, softcap: float | None = None,
                               *, chunk: int = 32768) -> Tensor:
-    """Reference: float32 logits one vocab chunk at a time, running max, lowest index on ties.
+    """Reference: logits one vocab chunk at a time, running float32 max, lowest index on ties.
 
     Args:
-        hidden: [M, H] hidden states (any float dtype; computed in float32).
+        hidden: [M, H] hidden states (cast to the weight's dtype; scores compared in float32).
         weight: [V, H] LM head.
         softcap: optional logit soft cap.
         chunk: vocab rows per chunk; peak extra memory is [M, chunk] float32.
@@ -42,11 +42,14 @@ def greedy_lm_head_argmax_ref(hidden: Tensor, weight: Tensor, softcap: float | N
         [M] long token ids.
     """
     M = hidden.shape[0]
-    h = hidden.float()
+    # The matmul runs in the weight's own dtype (a bf16 LM head stays bf16: casting a 262k x 640
+    # head to float32 on every call costs more than the matmul itself) and the scores are
+    # compared in float32. For a bf16 model this is exactly what its own forward computes.
+    h = hidden.to(weight.dtype)
     best_val = torch.full((M,), float("-inf"), device=hidden.device)
     best_idx = torch.zeros(M, dtype=torch.long, device=hidden.device)
     for start in range(0, weight.shape[0], chunk):
-        logits = h @ weight[start:start + chunk].float().T  # [M, chunk]
+        logits = (h @ weight[start:start + chunk].T).float()  # [M, chunk]
         if softcap is not None:
             logits = softcap * torch.tanh(logits / softcap)
         val, idx = logits.max(dim=-1)  # first maximum within the chunk
