@@ -150,3 +150,33 @@ def tiny_tokenizer(with_template: bool, *, generation: bool = False):
     if with_template:
         tok.chat_template = TINY_CHAT_TEMPLATE_GENERATION if generation else TINY_CHAT_TEMPLATE
     return tok
+
+
+def reset_accelerate() -> None:
+    """Forget Accelerate's process-wide state, so each in-process training run starts clean."""
+    from accelerate.state import AcceleratorState, PartialState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    PartialState._reset_state()
+
+
+def chat_records(n: int = 24) -> list[dict]:
+    """`n` tiny ShareGPT-style conversations (5 topics, so a drafter has something to learn)."""
+    return [{"conversations": [
+        {"from": "human", "value": f"Question {i}: tell me about topic {i % 5}."},
+        {"from": "gpt", "value": f"Topic {i % 5} is a fine topic; the answer is {i * 3}. Thanks!"},
+    ]} for i in range(n)]
+
+
+def save_tiny_run_root(root, *, family: str = "llama", num_layers: int = 4, n_records: int = 24):
+    """Write `root/target` (a tiny target + byte tokenizer, loadable by `load_target`) and
+    `root/chat.json` (`chat_records`); returns `root` as a Path."""
+    import json
+    from pathlib import Path
+
+    root = Path(root)
+    tok = tiny_tokenizer(False)
+    tiny_target(family, vocab_size=len(tok), num_layers=num_layers).save_pretrained(root / "target")
+    tok.save_pretrained(root / "target")
+    (root / "chat.json").write_text(json.dumps(chat_records(n_records)))
+    return root

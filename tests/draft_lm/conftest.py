@@ -4,23 +4,15 @@ by the tests (learning rate 0 and 1e-2)."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 
-from drafttrain.testing import tiny_target, tiny_tokenizer
+from drafttrain.testing import reset_accelerate, save_tiny_run_root
 
 FAST = ["method=draft_lm", "dtype=float32", "train.mixed_precision=no", "data.heldout=4", "data.max_len=64",
         "train.warmup_steps=0", "train.log_every=1", "train.save_every=0", "train.decode_eval_final=false",
         "train.max_steps=2", "train.batch_size=4", "draft_lm.num_layers=2", "draft_lm.chunk_size=16"]
-
-
-def reset_accelerate() -> None:
-    from accelerate.state import AcceleratorState, PartialState
-
-    AcceleratorState._reset_state(reset_partial_state=True)
-    PartialState._reset_state()
 
 
 @pytest.fixture(autouse=True)
@@ -33,16 +25,7 @@ def _isolated(tmp_path_factory, monkeypatch):
 @pytest.fixture(scope="session")
 def dl_root(tmp_path_factory) -> Path:
     """A folder with `target/` (tiny Llama + tokenizer) and `chat.json` (24 conversations)."""
-    root = tmp_path_factory.mktemp("draft_lm")
-    tok = tiny_tokenizer(False)
-    tiny_target("llama", vocab_size=len(tok), num_layers=4).save_pretrained(root / "target")
-    tok.save_pretrained(root / "target")
-    recs = [{"conversations": [
-        {"from": "human", "value": f"Question {i}: tell me about topic {i % 5}."},
-        {"from": "gpt", "value": f"Topic {i % 5} is a fine topic; the answer is {i * 3}. Thanks!"},
-    ]} for i in range(24)]
-    (root / "chat.json").write_text(json.dumps(recs))
-    return root
+    return save_tiny_run_root(tmp_path_factory.mktemp("draft_lm"))
 
 
 def dl_cfg(root: Path, out: Path, *extra: str):
