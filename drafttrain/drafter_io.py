@@ -67,6 +67,31 @@ def check_target_match(meta: dict, target, folder: str | Path = "", tokenizer=No
         )
 
 
+def load_module_folder(path: str | Path, build, target=None, *, map_location: str = "cpu"):
+    """Load a drafter folder whose weights are one nn.Module with `d2t` / `t2d` buffers
+    (EAGLE drafters, Medusa heads): build it from config.json's `drafter` block with `build`,
+    load the safetensors strictly, validate the vocab mapping, and attach and check `target`."""
+    from safetensors.torch import load_file
+
+    from drafttrain.models.eagle import validate_vocab_mapping
+
+    folder = Path(path)
+    meta = read_drafter_config(folder)
+    module = build(meta["drafter"])
+    sd = load_file(str(folder / "model.safetensors"), device=map_location)
+    missing, unexpected = module.load_state_dict(sd, strict=False)
+    if missing or unexpected:
+        raise ValueError(f"{folder}: weights do not match the config (missing {missing}, unexpected {unexpected})")
+    validate_vocab_mapping(module.d2t, module.t2d)
+    if target is not None:
+        check_target_match(meta, target, folder)
+        module.attach_target(target)
+        p = next(target.parameters())
+        module.to(device=p.device, dtype=p.dtype)
+    module.eval()
+    return module
+
+
 def atomic_dir(final: str | Path):
     """Context manager: yields a temp folder beside `final`; on success it replaces `final`."""
 

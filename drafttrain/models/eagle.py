@@ -484,26 +484,9 @@ def save_eagle_weights(drafter: EagleDrafter, folder: str | Path, dtype: torch.d
 
 def load_drafter(path: str | Path, target: nn.Module | None = None, *, map_location: str = "cpu") -> EagleDrafter:
     """Load an EAGLE drafter folder (config.json + model.safetensors); attach and check `target`."""
-    from safetensors.torch import load_file
+    from drafttrain.drafter_io import load_module_folder
 
-    from drafttrain.drafter_io import check_target_match, read_drafter_config
-
-    folder = Path(path)
-    meta = read_drafter_config(folder)
-    cfg = EagleConfig(**meta["drafter"])
-    drafter = EagleDrafter(cfg)
-    sd = load_file(str(folder / "model.safetensors"), device=map_location)
-    missing, unexpected = drafter.load_state_dict(sd, strict=False)
-    if missing or unexpected:
-        raise ValueError(f"{folder}: weights do not match the config (missing {missing}, unexpected {unexpected})")
-    validate_vocab_mapping(drafter.d2t, drafter.t2d)
-    if target is not None:
-        check_target_match(meta, target, folder)
-        drafter.attach_target(target)
-        p = next(target.parameters())
-        drafter.to(device=p.device, dtype=p.dtype)
-    drafter.eval()
-    return drafter
+    return load_module_folder(path, lambda d: EagleDrafter(EagleConfig(**d)), target, map_location=map_location)
 
 
 def eagle_config_dict(cfg: EagleConfig) -> dict:

@@ -190,26 +190,9 @@ def load_medusa(path: str | Path, target: nn.Module | None = None, *, map_locati
 
     For "medusa2" folders, `target` should be the adapted target (`load_medusa_target`).
     """
-    from safetensors.torch import load_file
+    from drafttrain.drafter_io import load_module_folder
 
-    from drafttrain.drafter_io import check_target_match, read_drafter_config
-    from drafttrain.models.eagle import validate_vocab_mapping
-
-    folder = Path(path)
-    meta = read_drafter_config(folder)
-    heads = MedusaHeads(MedusaConfig(**meta["drafter"]))
-    sd = load_file(str(folder / "model.safetensors"), device=map_location)
-    missing, unexpected = heads.load_state_dict(sd, strict=False)
-    if missing or unexpected:
-        raise ValueError(f"{folder}: weights do not match the config (missing {missing}, unexpected {unexpected})")
-    validate_vocab_mapping(heads.d2t, heads.t2d)
-    if target is not None:
-        check_target_match(meta, target, folder)
-        heads.attach_target(target)
-        p = next(target.parameters())
-        heads.to(device=p.device, dtype=p.dtype)
-    heads.eval()
-    return heads
+    return load_module_folder(path, lambda d: MedusaHeads(MedusaConfig(**d)), target, map_location=map_location)
 
 
 def adapter_id(target: nn.Module) -> str | None:
