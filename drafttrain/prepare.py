@@ -18,9 +18,10 @@ def prepare(cfg: TrainConfig) -> Path:
     from drafttrain.features import FeatureSpec, estimate_bytes, human_bytes, write_feature_cache
     from drafttrain.models.eagle import default_aux_layer_ids
     from drafttrain.targets import load_target, num_layers
-    from drafttrain.trainer import cpu_processes
+    from drafttrain.trainer import cpu_processes, cpu_threads
 
     state = PartialState(cpu=cpu_processes())
+    cpu_threads(cfg.threads, state.device)
     target, tokenizer, info = load_target(cfg.target, dtype=cfg.dtype, device=state.device,
                                           revision=cfg.target_revision or None,
                                           trust_remote_code=cfg.trust_remote_code)

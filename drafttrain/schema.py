@@ -62,6 +62,7 @@ class DraftLMSettings:
     on_policy_rate: float = field_(0.0, help="probability that a batch's responses are the student's own samples (scored by the teacher)")
     on_policy_max_new_tokens: int = field_(128, help="max tokens per on-policy student sample")
     on_policy_temperature: float = field_(1.0, help="sampling temperature of on-policy student samples (0 = greedy)")
+    decode_vocab: int = field_(0, help="save the N most frequent training tokens; drafttrain's decoder then drafts from those LM-head rows only (lossless; the HF folder keeps the full head); 0 = full vocab")
 
 
 @dataclass
@@ -117,6 +118,7 @@ class TrainConfig:
     trust_remote_code: bool = field_(False, help="allow custom modelling code from the target's repo")
     output_dir: str = field_("", help="run folder (default runs/<recipe>)")
     seed: int = field_(0, help="random seed")
+    threads: int = field_(0, help="CPU threads per process (torch); 0 = auto on CPU: this machine's cores divided among its processes (`accelerate launch` alone would leave OMP_NUM_THREADS=1)")
     tracking: str = field_("none", help="experiment tracker", choices=("none", "wandb"))
     print_config: bool = field_(False, help="print the resolved config and exit")
     data: DataConfig = field_(default_factory=DataConfig, help="")

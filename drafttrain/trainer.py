@@ -405,6 +405,20 @@ def medusa_rank_accuracy(heads, target, records, pad: int, max_rank: int, batch_
     return (hits / counts.clamp(min=1)[:, None]).tolist()
 
 
+def drafter_extras(cfg: TrainConfig, raw, target, train_ds, held_ds, tokenizer, pad: int) -> tuple[dict, object]:
+    """What a drafter folder adds beyond weights and config: (metadata fields, a writer of extra
+    files called inside the folder's atomic write, or None)."""
+    if cfg.method in MEDUSA:
+        return medusa_extras(cfg, raw, target, held_ds, tokenizer, pad)
+    if cfg.method == "draft_lm" and cfg.draft_lm.decode_vocab:
+        from drafttrain.models.draft_lm import decode_vocab, write_decode_vocab
+
+        ids, coverage = decode_vocab(token_counts(train_ds, raw.cfg.vocab_size), cfg.draft_lm.decode_vocab)
+        fields = {"decode_vocab_size": int(ids.numel()), "decode_vocab_coverage": round(coverage, 4)}
+        return fields, lambda folder: write_decode_vocab(folder, ids)
+    return {}, None
+
+
 def medusa_extras(cfg: TrainConfig, heads, target, held_ds, tokenizer, pad: int) -> tuple[dict, object]:
     """What a Medusa drafter folder adds: (config.json fields, a writer for extra files).
 
@@ -516,6 +530,23 @@ def gathered_drafter(accelerator, drafter, target):
     return fresh.to(device=accelerator.device)
 
 
+def cpu_threads(threads: int, device: torch.device) -> int:
+    """Sets torch's CPU threads; returns the number set (0 = left alone, e.g. on GPUs).
+
+    `accelerate launch` exports OMP_NUM_THREADS=1 unless told otherwise, which leaves all but one
+    core idle in a single-process CPU run. `threads=0` (auto) gives each process its share of the
+    machine's cores instead; an explicit `threads=N` wins everywhere.
+    """
+    if threads <= 0 and torch.device(device).type != "cpu":
+        return 0
+    if threads <= 0:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        local = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("ACCELERATE_NUM_PROCESSES") or 1)
+        threads = max(1, cores // max(local, 1))
+    torch.set_num_threads(threads)
+    return threads
+
+
 def train(cfg: TrainConfig) -> dict:
     """Run one training job; returns the summary dict (also written to <run>/summary.json)."""
     from accelerate import Accelerator
@@ -540,6 +571,9 @@ def train(cfg: TrainConfig) -> dict:
         log(accelerator, f"drafttrain: warning: FSDP was requested but Accelerate runs {accelerator.distributed_type.value} "
             "here (it has no FSDP for CPU processes)")
     set_seed(cfg.seed)
+    threads = cpu_threads(cfg.threads, accelerator.device)
+    if threads:
+        log(accelerator, f"drafttrain: {threads} CPU thread(s) per process")
     if accelerator.is_main_process:
         try:
             run_dir.mkdir(parents=True, exist_ok=True)
@@ -625,8 +659,7 @@ def train(cfg: TrainConfig) -> dict:
         card = model_card({"method": cfg.method, "recipe": cfg.recipe, "target": {"spec": cfg.target},
                            "aux_layer_ids": raw.cfg.aux_layer_ids, "draft_vocab_size": raw.cfg.draft_vocab_size,
                            "vocab_coverage": coverage}, {"step": state["step"], **dec})
-        fields, write_extra = medusa_extras(cfg, raw, target, held_ds, tokenizer, pad) if cfg.method in MEDUSA \
-            else ({}, None)
+        fields, write_extra = drafter_extras(cfg, raw, target, train_ds, held_ds, tokenizer, pad)
         save_drafter_folder(run_dir / "best_drafter", drafter=raw, target=target, tokenizer=tokenizer,
                             method=cfg.method, card=card, write_extra=write_extra,
                             extra={"recipe": cfg.recipe, "vocab_coverage": coverage, "training": to_dict(cfg),
@@ -749,9 +782,8 @@ def train(cfg: TrainConfig) -> dict:
         summary["best_drafter_dir"] = str(run_dir / "best_drafter")
         summary["best_decode_step"] = state.get("best_decode_step")
     if accelerator.is_main_process:
-        extra_fields, write_extra = {}, None
+        extra_fields, write_extra = drafter_extras(cfg, raw, target, train_ds, held_ds, tokenizer, pad)
         if cfg.method in MEDUSA:
-            extra_fields, write_extra = medusa_extras(cfg, raw, target, held_ds, tokenizer, pad)
             summary["tree_choices"] = extra_fields["tree_choices"]
         meta = {"method": cfg.method, "recipe": cfg.recipe, "target": {"spec": cfg.target},
                 "aux_layer_ids": raw.cfg.aux_layer_ids, "draft_vocab_size": raw.cfg.draft_vocab_size,

@@ -185,3 +185,23 @@ def test_decoding_eval_in_training_keeps_the_best_drafter(target_dirs, chat_file
     assert summary["best_decode_step"] in (1, 2)
     best = json.loads((tmp_path / "run" / "best_drafter" / "config.json").read_text())
     assert best["metrics"]["eval/decode_tau"] == pytest.approx(summary["best_decode_tau"], abs=1e-3)
+
+
+def test_cpu_threads_use_the_machine_not_accelerates_one(monkeypatch):
+    """`accelerate launch` exports OMP_NUM_THREADS=1; a CPU run must still use its share of the cores."""
+    import os
+
+    from drafttrain.trainer import cpu_threads
+
+    before = torch.get_num_threads()
+    cores = len(os.sched_getaffinity(0))
+    try:
+        monkeypatch.setenv("OMP_NUM_THREADS", "1")
+        monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+        assert cpu_threads(0, torch.device("cpu")) == cores == torch.get_num_threads()
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", str(2 * cores))  # more processes than cores: one each
+        assert cpu_threads(0, torch.device("cpu")) == 1 == torch.get_num_threads()
+        assert cpu_threads(3, torch.device("cpu")) == 3 == torch.get_num_threads()  # explicit wins
+        assert cpu_threads(0, torch.device("cuda")) == 0 and torch.get_num_threads() == 3  # GPUs: left alone
+    finally:
+        torch.set_num_threads(before)
