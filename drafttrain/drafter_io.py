@@ -139,7 +139,8 @@ def save_drafter_folder(folder: str | Path, *, drafter, target, tokenizer, metho
         meta = {"drafttrain": {"version": __version__, "format": FORMAT_VERSION}, "method": method,
                 "target": target_signature(target), "tokenizer_hash": tokenizer_hash(tokenizer),
                 "aux_layer_ids": [], "draft_vocab_size": drafter.cfg.draft_vocab_size, **extra}
-        return save_draft_lm(folder, drafter=drafter, tokenizer=tokenizer, meta=meta, card=card)
+        return save_draft_lm(folder, drafter=drafter, tokenizer=tokenizer, meta=meta, card=card,
+                             write_extra=write_extra)
     with atomic_dir(folder) as tmp:
         save_eagle_weights(drafter, tmp, dtype=dtype)  # the drafter's state dict, as safetensors
         if write_extra is not None:

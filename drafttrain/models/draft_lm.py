@@ -15,8 +15,13 @@ generation_config.json) that `AutoModelForCausalLM.from_pretrained` loads and tr
 `generate(assistant_model=...)` uses as is; drafttrain's own metadata sits beside it in
 `drafttrain.json` (HF never reads it) and the card in README.md.
 
-What it does not do: the loss (drafttrain.losses), decoding (drafttrain.decode.proposers.draft_lm),
-or shrink the vocabulary: a draft LM keeps the target's ids so that engines can use it directly.
+The folder may also hold `decode_vocab.safetensors`: the ids of the training data's most frequent
+assistant tokens (`draft_lm.decode_vocab`). drafttrain's decoder then drafts from those LM-head
+rows only (FR-Spec-style: drafts are proposals, so the output stays lossless), which matters when
+the head is most of the student, as with Gemma's 262k-token vocabulary. The HF model itself keeps
+the full head, so engines and assisted generation use it unchanged.
+
+What it does not do: the loss (drafttrain.losses), decoding (drafttrain.decode.proposers.draft_lm).
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import torch
 from torch import Tensor, nn
 
 META_FILE = "drafttrain.json"
+DECODE_VOCAB_FILE = "decode_vocab.safetensors"
 
 
 class DraftLMError(ValueError):
@@ -198,13 +204,17 @@ def build_student(target, tokenizer, *, num_layers: int = 2, hidden_size: int = 
     return DraftLM(model, cfg)
 
 
-def save_draft_lm(folder: str | Path, *, drafter: DraftLM, tokenizer, meta: dict, card: str) -> Path:
-    """Write the drafter folder atomically: HF `save_pretrained` + tokenizer + drafttrain.json + README.md."""
+def save_draft_lm(folder: str | Path, *, drafter: DraftLM, tokenizer, meta: dict, card: str,
+                  write_extra=None) -> Path:
+    """Write the drafter folder atomically: HF `save_pretrained` + tokenizer + drafttrain.json + README.md
+    (+ whatever `write_extra(tmp_folder)` adds, e.g. the decode vocabulary)."""
     from drafttrain.drafter_io import atomic_dir
 
     with atomic_dir(folder) as tmp:
         drafter.model.save_pretrained(str(tmp), safe_serialization=True)
         tokenizer.save_pretrained(str(tmp))
+        if write_extra is not None:
+            write_extra(tmp)
         (tmp / META_FILE).write_text(json.dumps({**meta, "drafter": asdict(drafter.cfg)}, indent=2, default=str))
         (tmp / "README.md").write_text(card + USAGE.format(folder=Path(folder).name))
     return Path(folder)
@@ -223,6 +233,40 @@ target.generate(**inputs, assistant_model=draft)             # transformers assi
 drafttrain's decoder: `drafttrain eval proposers={folder}`; vLLM / SGLang take the folder as the
 draft model. `drafttrain.json` holds the training metadata (target, tokenizer hash, config).
 """
+
+
+def decode_vocab(token_counts: Tensor, size: int) -> tuple[Tensor, float]:
+    """The `size` most frequent tokens (ascending ids) and the share of counted tokens they cover."""
+    size = min(size, token_counts.numel())
+    if size < 1:
+        raise DraftLMError(f"draft_lm.decode_vocab must be >= 1 (0 = full vocabulary), got {size}")
+    order = torch.sort(token_counts.double(), descending=True, stable=True).indices[:size]
+    total = float(token_counts.sum())
+    coverage = float(token_counts[order].sum()) / total if total > 0 else 0.0
+    return torch.sort(order).values, coverage
+
+
+def write_decode_vocab(folder: str | Path, ids: Tensor) -> Path:
+    """Save the decode vocabulary (target ids) into a drafter folder, as safetensors."""
+    from safetensors.torch import save_file
+
+    path = Path(folder) / DECODE_VOCAB_FILE
+    save_file({"token_ids": ids.to(torch.int64).contiguous()}, str(path))
+    return path
+
+
+def read_decode_vocab(folder: str | Path) -> Tensor | None:
+    """The folder's decode vocabulary ([Vd] ascending target ids), or None when it has none."""
+    path = Path(folder) / DECODE_VOCAB_FILE
+    if not path.is_file():
+        return None
+    from safetensors.torch import load_file
+
+    ids = load_file(str(path))["token_ids"]
+    if ids.dim() != 1 or ids.numel() == 0 or bool((ids[1:] <= ids[:-1]).any()):
+        raise DraftLMError(f"{path}: token_ids must be a non-empty, strictly ascending 1-D list; "
+                           "delete the file to draft with the full vocabulary")
+    return ids
 
 
 def read_meta(folder: str | Path) -> dict:

@@ -53,6 +53,7 @@ def _run(root: Path, name: str, *extra: str) -> Path:
 
 @pytest.fixture(scope="session")
 def dl_runs(dl_root) -> tuple[Path, Path]:
-    """(lr 0 run, lr 1e-2 run), top-64 teacher, half the batches on-policy."""
-    extra = ("draft_lm.teacher_topk=64", "draft_lm.on_policy_rate=0.5", "draft_lm.on_policy_max_new_tokens=12")
+    """(lr 0 run, lr 1e-2 run), top-64 teacher, half the batches on-policy, a 48-token decode vocab."""
+    extra = ("draft_lm.teacher_topk=64", "draft_lm.on_policy_rate=0.5", "draft_lm.on_policy_max_new_tokens=12",
+             "draft_lm.decode_vocab=48")
     return _run(dl_root, "lr0", *extra, "train.lr=0"), _run(dl_root, "run", *extra, "train.lr=1e-2")

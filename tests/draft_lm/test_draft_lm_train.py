@@ -131,6 +131,26 @@ def test_folder_is_plain_hf_and_drives_assisted_generation(dl_runs, dl_root):
     assert assisted.tolist() == ref.tolist()
 
 
+def test_decode_vocab_is_the_most_frequent_training_tokens(dl_runs, dl_root, make_cfg):
+    from drafttrain.data import build_datasets
+    from drafttrain.models.draft_lm import read_decode_vocab
+    from drafttrain.trainer import token_counts
+
+    folder = dl_runs[1] / "drafter"
+    ids = read_decode_vocab(folder)
+    meta = json.loads((folder / "drafttrain.json").read_text())
+    assert ids is not None and ids.numel() == 48 == meta["decode_vocab_size"]
+    assert bool((ids[1:] > ids[:-1]).all())
+    cfg = make_cfg(dl_root, dl_runs[1])
+    counts = token_counts(build_datasets(cfg.data, AutoTokenizer.from_pretrained(dl_root / "target"))[0], 263)
+    inside = torch.zeros(263, dtype=torch.bool)
+    inside[ids] = True
+    assert counts[inside].min() >= counts[~inside].max()  # nothing left out is more frequent
+    assert meta["decode_vocab_coverage"] == pytest.approx(float(counts[inside].sum() / counts.sum()), abs=1e-4)
+    # the HF model keeps its full head: engines and assisted generation are unaffected
+    assert AutoModelForCausalLM.from_pretrained(folder).get_output_embeddings().weight.shape[0] == 263
+
+
 def test_our_decoder_with_the_folder(dl_runs, dl_root):
     from drafttrain.decode import load_proposer, speculative_generate
     from drafttrain.decode.proposers import DraftLMProposer
