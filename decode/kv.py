@@ -196,11 +196,13 @@ def target_forward(model: nn.Module, kv: KVState, input_ids: Tensor, positions: 
         valid: [B, n] optional padding mask.
         hidden_ids: HF hidden_states indices to return.
         head: "logits" (the model's own full forward), "argmax" (decoder body, then the fused
-            LM-head argmax of kernels/greedy.py: never materialises [B, n, V] logits) or "none"
-            (decoder body only, e.g. for prefill, whose logits nobody reads).
+            LM-head argmax of kernels/greedy.py: never materialises [B, n, V] logits), "hidden"
+            (decoder body; returns its final post-norm states for the caller's own head, e.g. a
+            draft LM drafting from a subset of the head's rows) or "none" (decoder body only,
+            e.g. for prefill, whose logits nobody reads).
 
     Returns:
-        (logits [B, n, V] | argmax ids [B, n] | None, {index: hidden [B, n, H]}).
+        (logits [B, n, V] | argmax ids [B, n] | final hidden [B, n, H] | None, {index: hidden [B, n, H]}).
     """
     dtype = next(model.parameters()).dtype
     mask = kv.extend(positions, parents, valid, dtype=dtype)
@@ -224,6 +226,8 @@ def target_forward(model: nn.Module, kv: KVState, input_ids: Tensor, positions: 
             last = out.last_hidden_state  # [B, n, H]
             flat = last.reshape(-1, last.shape[-1])
             result = greedy_lm_head_argmax(flat, head_module.weight).view(last.shape[:2])
+        elif head == "hidden":
+            result = out.last_hidden_state
     hidden = {i: out.hidden_states[i] for i in hidden_ids} if hidden_ids else {}
     return result, hidden
 

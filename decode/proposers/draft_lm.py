@@ -7,6 +7,12 @@ verification it keeps the KV of accepted draft nodes it fed (the same tokens at 
 positions, so the entries are exactly what re-reading them would give) and drops the rest.
 Sampled chains carry the processed draft distribution for lossless rejection sampling.
 
+Decode vocabulary (FR-Spec-style): given `vocab` (ascending target ids; by default the drafter
+folder's `decode_vocab.safetensors`, see drafttrain.models.draft_lm), drafts come from those
+LM-head rows only. With Gemma's 262k x 640 head most of a 2-layer student's cost is the head,
+so 16k rows make a draft step several times cheaper. Still lossless: drafts are proposals, and
+sampled drafts carry the (restricted) distribution they were drawn from.
+
 Deliberately not here: loading by name (proposers/__init__.py), vocab translation between
 different tokenizers (the draft must share the target's ids).
 """
@@ -28,12 +34,48 @@ class DraftLMProposer(NodeDrafter):
     Args:
         model: the draft HF causal LM (eval mode, same vocabulary ids as the target).
         gamma: default drafts per step.
+        vocab: [Vd] ascending target ids to draft from; "auto" = the decode vocabulary that
+            `load_draft_lm` attached to the model (none: the full head); None = the full head.
     """
 
     name = "draft-lm"
 
-    def __init__(self, model: nn.Module, *, gamma: int = 4):
+    def __init__(self, model: nn.Module, *, gamma: int = 4, vocab: Tensor | str | None = "auto"):
         self.model, self.default_gamma = model, gamma
+        if isinstance(vocab, str):
+            if vocab != "auto":
+                raise ValueError(f"vocab must be a tensor of token ids, 'auto' or None, got {vocab!r}")
+            vocab = getattr(model, "drafttrain_decode_vocab", None)
+        self.vocab = None
+        if vocab is not None:
+            head = model.get_output_embeddings()
+            self.vocab = vocab.to(device=head.weight.device, dtype=torch.long)
+            self.vocab_size = head.weight.shape[0]
+            if self.vocab.numel() == 0 or int(self.vocab.max()) >= self.vocab_size or int(self.vocab.min()) < 0:
+                raise ValueError(f"decode vocab ids must lie in 0..{self.vocab_size - 1}")
+            self._w = head.weight.detach()[self.vocab]  # [Vd, H]
+            bias = getattr(head, "bias", None)
+            self._b = bias.detach()[self.vocab] if bias is not None else None
+            tc = getattr(model.config, "text_config", None) or model.config
+            self._cap = getattr(tc, "final_logit_softcapping", None)
+
+    def _forward(self, ids: Tensor, positions: Tensor, parents: Tensor, valid: Tensor | None = None) -> Tensor:
+        """The draft model's logits over its drafting vocabulary ([B, n, V] or [B, n, Vd])."""
+        if self.vocab is None:
+            logits, _ = target_forward(self.model, self.kv, ids, positions, parents, valid=valid)
+            return logits
+        h, _ = target_forward(self.model, self.kv, ids, positions, parents, valid=valid, head="hidden")
+        logits = nn.functional.linear(h.to(self._w.dtype), self._w, self._b)
+        return self._cap * torch.tanh(logits / self._cap) if self._cap else logits
+
+    def _draft_to_target(self, ids: Tensor) -> Tensor:
+        return ids if self.vocab is None else self.vocab[ids]
+
+    def _probs_to_target(self, q: Tensor) -> Tensor:
+        if self.vocab is None:
+            return q
+        out = q.new_zeros(*q.shape[:-1], self.vocab_size)
+        return out.scatter_(-1, self.vocab.expand_as(q), q)
 
     def prefill(self, state, hidden) -> None:
         B = state.root.shape[0]
@@ -54,15 +96,13 @@ class DraftLMProposer(NodeDrafter):
             positions[b, m - len(t) :] = torch.arange(self.read[b], self.read[b] + len(t))
         col = torch.arange(m).expand(B, m)
         parents = torch.where(valid & (col > 0) & valid.roll(1, 1), col - 1, -1)
-        logits, _ = target_forward(self.model, self.kv, ids.to(device), positions.to(device),
-                                   parents.to(device), valid=valid.to(device))
+        logits = self._forward(ids.to(device), positions.to(device), parents.to(device), valid.to(device))
         self.kv.commit(torch.where(valid, col, -1).to(device))
         self.read = [len(seq) for seq in state.tokens]
         return logits[:, -1], -1
 
     def _feed(self, state, tokens, nodes, parents, parent_slots, positions) -> Tensor:
-        logits, _ = target_forward(self.model, self.kv, tokens, positions, parent_slots)
-        return logits
+        return self._forward(tokens, positions, parent_slots)
 
     def _end(self, state, accepted_slots: list[list[int]]) -> None:
         # accepted fed drafts are committed tokens: keep their KV, drop the rest of the tree

@@ -297,4 +297,6 @@ def load_draft_lm(folder: str | Path, target=None, tokenizer=None, dtype=None):
     model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype or torch.float32)
     if target is not None:
         model.to(next(target.parameters()).device)
+    # drafttrain's decoder drafts from these head rows (DraftLMProposer reads the attribute)
+    model.drafttrain_decode_vocab = read_decode_vocab(folder)
     return model.eval()

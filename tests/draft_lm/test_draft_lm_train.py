@@ -151,6 +151,27 @@ def test_decode_vocab_is_the_most_frequent_training_tokens(dl_runs, dl_root, mak
     assert AutoModelForCausalLM.from_pretrained(folder).get_output_embeddings().weight.shape[0] == 263
 
 
+def test_decoder_drafts_only_from_the_decode_vocab(dl_runs, dl_root):
+    from drafttrain.decode import load_proposer, speculative_generate
+
+    target = AutoModelForCausalLM.from_pretrained(dl_root / "target", dtype=torch.float32).eval()
+    ids = torch.randint(7, 263, (2, 10), generator=torch.Generator().manual_seed(2))
+    drafted = {}
+    for mode in ("auto", None):
+        proposer = load_proposer(str(dl_runs[1] / "drafter"), target, gamma=4, vocab=mode)
+        trees, propose = [], proposer.propose
+        proposer.propose = lambda state, _p=propose, _t=trees: _t.append(_p(state)) or _t[-1]
+        speculative_generate(target, proposer, ids, max_new_tokens=40, temperature=1.0, seed=0, eos_token_id=[])
+        drafted[mode] = torch.cat([t.tokens[:, 1:].flatten() for t in trees])
+        probs = torch.cat([t.draft_probs[:, :-1].reshape(-1, 263) for t in trees])
+        assert torch.allclose(probs.sum(-1), torch.ones(len(probs)), atol=1e-5)
+        if mode == "auto":
+            inside = torch.zeros(263, dtype=torch.bool)
+            inside[proposer.vocab] = True
+            assert bool(inside[drafted[mode]].all()) and float(probs[:, ~inside].abs().max()) == 0.0
+    assert not bool(inside[drafted[None]].all())  # the full head does draft outside it
+
+
 def test_our_decoder_with_the_folder(dl_runs, dl_root):
     from drafttrain.decode import load_proposer, speculative_generate
     from drafttrain.decode.proposers import DraftLMProposer
