@@ -51,6 +51,7 @@ class DecodeState:
         options: extra keyword options passed to speculative_generate.
         greedy_head: "argmax" (fused LM-head argmax, no logits) or "logits" (the model's own
             forward) for greedy verification.
+        stats: the call's DecodeStats (adaptive / hybrid proposers record their choices there).
     """
 
     target: nn.Module
@@ -67,6 +68,7 @@ class DecodeState:
     tree: StaticTree | DynamicTree | None = None
     options: dict | None = None
     greedy_head: str = "argmax"
+    stats: DecodeStats | None = None
 
 
 @dataclass
@@ -233,6 +235,7 @@ def speculative_generate(target: nn.Module, proposer: Proposer | None, input_ids
         greedy_head=greedy_head,
     )
     stats = DecodeStats(per_row_tokens=[0] * B, per_row_forwards=[0] * B)
+    state.stats = stats
     out: list[list[int]] = [[] for _ in range(B)]
 
     prefill(state, input_ids, attention_mask, proposer, stats)

@@ -5,6 +5,9 @@ over rows: a row counts the verification forwards it was active in. Prefill forw
 counted separately and excluded from τ. Acceptance counts come from verification before any
 EOS / max_new_tokens truncation (they measure the drafter, not the stopping rule).
 
+Adaptive and hybrid proposers (adaptive.py, proposers/hybrid.py) also fill `chosen_lengths`,
+`chosen_parts` and, with `speculative_generate(..., log_steps=True)`, `step_log`.
+
 Deliberately not here: aggregation across calls or prompts, plotting, reports (eval/).
 """
 
@@ -30,6 +33,14 @@ class DecodeStats:
         draft_counts: draft_counts[d] = (row, step) pairs that had a draft at depth d+1.
         time_draft / time_verify / time_prefill / time_other: seconds.
         per_row_tokens / per_row_forwards: per-row counts.
+        chosen_lengths: adaptive / hybrid only: chosen_lengths[L] = (row, step) pairs verified
+            with L drafts (draft nodes; a chain's length).
+        chosen_parts: adaptive / hybrid only: {part name: (row, step) pairs verified with a
+            non-empty draft of that part}.
+        step_log: only with `log_steps=True` (adaptive / hybrid): one dict per active row per step,
+            {"step", "row", "pos" (root position, prompt included), "emitted" (tokens emitted),
+            "drafted" (drafts verified), "part" (name or None), "proposals" {part name: the
+            part's full untrimmed draft chain (a tree's first-child path), up to max_gamma}}.
     """
 
     target_forwards: int = 0
@@ -44,6 +55,9 @@ class DecodeStats:
     time_other: float = 0.0
     per_row_tokens: list[int] = field(default_factory=list)
     per_row_forwards: list[int] = field(default_factory=list)
+    chosen_lengths: list[int] = field(default_factory=list)
+    chosen_parts: dict[str, int] = field(default_factory=dict)
+    step_log: list[dict] | None = None
 
     @property
     def tau(self) -> float:
@@ -73,6 +87,13 @@ class DecodeStats:
                 self.draft_counts[k] += 1
             for k in range(a):
                 self.accept_counts[k] += 1
+
+    def record_choice(self, drafts: int, part: str | None) -> None:
+        """Counts one (row, step) verified with `drafts` drafts from `part` (None: no draft)."""
+        self.chosen_lengths.extend([0] * (drafts + 1 - len(self.chosen_lengths)))
+        self.chosen_lengths[drafts] += 1
+        if part is not None and drafts > 0:
+            self.chosen_parts[part] = self.chosen_parts.get(part, 0) + 1
 
     @contextmanager
     def timer(self, bucket: str):

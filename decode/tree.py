@@ -4,6 +4,10 @@ Layout per row (the verification contract): node 0 is the root, the last accepte
 a draft); nodes 1..N-1 are drafts; `parents[b, i] < i`, `parents[b, 0] = -1`, padding nodes
 have parent -2. `draft_probs[b, i]` is the processed draft distribution the children of node i
 were drawn from, or None for a deterministic drafter (argmax / top-k candidates).
+`confidence[b, i]` (optional) is the drafter's raw confidence in node i, known BEFORE node i's
+token was drawn (so adaptive schedulers may act on it without anticipating, see adaptive.py):
+the drafter's probability of its top token at the parent (softmax at T = 0, the processed q at
+T > 0), a top-k candidate's own probability, or a match-length score (n-gram); node 0 = 1.
 
 Three shapes:
   * chain: one branch of gamma drafts (`chain_tree`);
@@ -44,11 +48,13 @@ class DraftTree:
         tokens: [B, N] token ids (node 0 = root).
         parents: [B, N] parent node ids (-1 root, -2 padding).
         draft_probs: [B, N, V] float32 or None (deterministic drafts).
+        confidence: [B, N] float raw per-node confidence in [0, 1] (node 0 = 1), or None.
     """
 
     tokens: Tensor
     parents: Tensor
     draft_probs: Tensor | None = None
+    confidence: Tensor | None = None
 
     @property
     def size(self) -> int:
@@ -64,7 +70,7 @@ class DraftTree:
             return self
         parents = self.parents.clone()
         parents[drop, 1:] = -2
-        return DraftTree(self.tokens, parents, self.draft_probs)
+        return DraftTree(self.tokens, parents, self.draft_probs, self.confidence)
 
 
 @dataclass(frozen=True)
@@ -130,13 +136,15 @@ def node_depths(parents: Tensor) -> Tensor:
     return depth
 
 
-def chain_tree(root: Tensor, drafts: Tensor, draft_probs: Tensor | None = None) -> DraftTree:
+def chain_tree(root: Tensor, drafts: Tensor, draft_probs: Tensor | None = None,
+               confidence: Tensor | None = None) -> DraftTree:
     """A chain: root -> drafts[:, 0] -> ... -> drafts[:, -1].
 
     Args:
         root: [B] last accepted tokens.
         drafts: [B, g] drafted tokens.
         draft_probs: [B, g, V] distribution each draft was drawn from, or None.
+        confidence: [B, g] the drafter's confidence in each draft (see DraftTree), or None.
     """
     B, g = drafts.shape
     tokens = torch.cat([root[:, None], drafts], 1)  # [B, g + 1]
@@ -145,23 +153,35 @@ def chain_tree(root: Tensor, drafts: Tensor, draft_probs: Tensor | None = None) 
     if draft_probs is not None:
         # node i's children were drawn from draft_probs[:, i]; the last draft has no children
         probs = torch.cat([draft_probs, torch.zeros_like(draft_probs[:, :1])], 1)  # [B, g + 1, V]
-    return DraftTree(tokens, parents, probs)
+    conf = None
+    if confidence is not None:
+        conf = torch.cat([torch.ones_like(confidence[:, :1]), confidence], 1).float()  # [B, g + 1]
+    return DraftTree(tokens, parents, probs, conf)
 
 
 def root_only(root: Tensor) -> DraftTree:
     """A tree without drafts (target-only decoding)."""
-    return DraftTree(root[:, None], torch.full_like(root[:, None], -1), None)
+    return DraftTree(root[:, None], torch.full_like(root[:, None], -1), None,
+                     torch.ones(root.shape[0], 1, device=root.device))
 
 
-def pad_trees(rows: list[tuple[list[int], list[int]]], device: torch.device) -> DraftTree:
-    """Stacks per-row (tokens, parents) lists of different sizes, padding with parent -2."""
-    N = max(len(t) for t, _ in rows)
+def pad_trees(rows: list[tuple[list[int], list[int]]] | list[tuple[list[int], list[int], list[float]]],
+              device: torch.device) -> DraftTree:
+    """Stacks per-row (tokens, parents) or (tokens, parents, confidences) lists of different sizes,
+    padding with parent -2 (and confidence 0)."""
+    N = max(len(r[0]) for r in rows)
     tokens = torch.zeros(len(rows), N, dtype=torch.long)
     parents = torch.full((len(rows), N), -2, dtype=torch.long)
-    for b, (t, p) in enumerate(rows):
+    conf = torch.zeros(len(rows), N) if any(len(r) > 2 for r in rows) else None
+    for b, r in enumerate(rows):
+        t, p = r[0], r[1]
         tokens[b, : len(t)] = torch.tensor(t, dtype=torch.long)
         parents[b, : len(p)] = torch.tensor(p, dtype=torch.long)
-    return DraftTree(tokens.to(device), parents.to(device), None)
+        if conf is not None:
+            conf[b, 0] = 1.0
+            if len(r) > 2:
+                conf[b, : len(r[2])] = torch.tensor(r[2], dtype=torch.float32)
+    return DraftTree(tokens.to(device), parents.to(device), None, None if conf is None else conf.to(device))
 
 
 def rerank_to_budget(scores: Tensor, parents: Tensor, budget: int) -> tuple[Tensor, Tensor]:

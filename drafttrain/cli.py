@@ -20,6 +20,7 @@ commands:
   recipes   list the shipped recipes
   export    drafter -> hf|vllm|sglang  (drafttrain export runs/eagle/drafter --format vllm --out out/vllm)
   eval      measure drafters           (drafttrain eval proposers=ngram,early-exit:6 bench=mtbench)
+  profile   cost model of the target   (drafttrain profile proposers=ngram,early-exit:6 batch_sizes=1,4,16)
 
 Every command takes --help. `accelerate launch drafttrain/train.py recipe=eagle ...` is the same
 as `drafttrain train` under Accelerate.
@@ -128,6 +129,19 @@ def _eval_help() -> str:
     return format_help(EvalConfig, "usage: drafttrain eval [key=value ...]\n\nkeys (default, meaning):")
 
 
+def cmd_profile(argv: list[str]) -> None:
+    from drafttrain.config import parse_args
+    from drafttrain.profile import ProfileConfig, run_profile
+
+    run_profile(parse_args(argv, ProfileConfig))
+
+
+def _profile_help() -> str:
+    from drafttrain.profile import help_text
+
+    return help_text()
+
+
 def _export_command():
     from drafttrain.export import command
 
@@ -151,8 +165,8 @@ def _regenerate_help() -> str:
 
 
 COMMANDS = {"train": cmd_train, "prepare": cmd_prepare, "recipes": cmd_recipes, "eval": cmd_eval,
-            "export": cmd_export, "regenerate": cmd_regenerate}
-HELP = {"train": _train_help, "eval": _eval_help, "regenerate": _regenerate_help,
+            "export": cmd_export, "regenerate": cmd_regenerate, "profile": cmd_profile}
+HELP = {"train": _train_help, "eval": _eval_help, "regenerate": _regenerate_help, "profile": _profile_help,
         "export": lambda: _export_command().HELP, "prepare": lambda: "usage: drafttrain prepare recipe=NAME [key=value ...]\n\n"
         "Computes the target features the recipe needs for every training record and writes them to\n"
         "features.cache_dir (default <output_dir>/features) in bf16 shards. Resumable: a killed run\n"

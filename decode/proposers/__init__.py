@@ -8,6 +8,15 @@ Registry (spec string -> proposer):
     <draft LM folder>         drafttrain draft LM (drafttrain.json beside HF's config.json; checked
                               against the target's vocab and tokenizer hash) (DraftLMProposer)
     <HF causal LM path / id>  standalone draft LM with the target's tokenizer (DraftLMProposer)
+    "adaptive:<spec>"         <spec> with its draft length chosen per step (AdaptiveProposer),
+                              e.g. "adaptive:ngram", "adaptive:runs/eagle/drafter"
+    "hybrid:<a>+<b>[+...]"    per row and step, the part with the highest expected accepted
+                              length (HybridProposer; fixed lengths), e.g. "hybrid:ngram+runs/eagle/drafter"
+    "adaptive:hybrid:<a>+<b>" both: the adaptive hybrid ("adaptive-hybrid:<a>+<b>" is the same)
+The composite specs take `cost_model=` (a CostModel or the path of its JSON, see costmodel.py);
+adaptive ones without it measure the target once and cache the result
+(`costmodel.load_or_measure`, ~/.cache/drafttrain/costs). `max_gamma=` caps adaptive lengths;
+other options go to the parts. Part specs may not contain "+".
 A `Proposer` instance passes through; an `EagleDrafter` or an HF causal-LM module is wrapped.
 
 Deliberately not here: drafting logic (one module per family), verification.
@@ -28,13 +37,27 @@ from drafttrain.decode.proposers.medusa import MedusaProposer
 from drafttrain.decode.proposers.ngram import NGramProposer
 
 __all__ = ["Proposer", "NodeDrafter", "NGramProposer", "EarlyExitProposer", "DraftLMProposer",
-           "EagleProposer", "MedusaProposer", "load_proposer", "PROPOSERS"]
+           "EagleProposer", "MedusaProposer", "HybridProposer", "load_proposer", "PROPOSERS", "COMPOSITE"]
+
+def __getattr__(name: str):
+    # HybridProposer is built on drafttrain.decode.adaptive, which imports this package's base
+    # module: importing it lazily keeps the import graph acyclic.
+    if name == "HybridProposer":
+        from drafttrain.decode.proposers.hybrid import HybridProposer
+
+        return HybridProposer
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 #: spec prefix -> factory(target, arg, **options)
 PROPOSERS = {
     "ngram": lambda target, arg, **o: NGramProposer(int(arg) if arg else 3, **o),
     "early-exit": lambda target, arg, **o: EarlyExitProposer(target, _int_arg("early-exit", arg), **o),
 }
+
+
+#: composite spec prefixes (handled by `_load_composite`: they nest other specs).
+COMPOSITE = ("adaptive", "hybrid", "adaptive-hybrid")
 
 
 def _int_arg(name: str, arg: str | None) -> int:
@@ -64,6 +87,8 @@ def load_proposer(spec_or_path, target: nn.Module, *, tokenizer=None, **options)
         return _wrap_module(spec_or_path, target, **options)
     spec = str(spec_or_path)
     name, _, arg = spec.partition(":")
+    if name in COMPOSITE and not Path(spec).exists():
+        return _load_composite(name, arg, target, tokenizer, **options)
     if name in PROPOSERS and not Path(spec).exists():
         return PROPOSERS[name](target, arg or None, **options)
     folder = Path(spec)
@@ -85,6 +110,42 @@ def load_proposer(spec_or_path, target: nn.Module, *, tokenizer=None, **options)
             raise ValueError(f"{folder}: drafter method {method!r} has no proposer yet "
                              "(known: eagle3, eagle1, medusa1, medusa2)")
     return _load_draft_lm(spec, target, tokenizer, **options)
+
+
+def _load_composite(name: str, arg: str, target: nn.Module, tokenizer, *, cost_model=None,
+                    max_gamma: int = 8, **options) -> Proposer:
+    """adaptive:<spec>, hybrid:<a>+<b>, adaptive:hybrid:<a>+<b> / adaptive-hybrid:<a>+<b>."""
+    from drafttrain.decode.adaptive import AdaptiveProposer
+    from drafttrain.decode.proposers.hybrid import HybridProposer
+
+    if name == "adaptive" and arg.startswith("hybrid:"):
+        name, arg = "adaptive-hybrid", arg[len("hybrid:"):]
+    if not arg:
+        raise ValueError(f"proposer spec {name}: needs what to wrap, e.g. {name}:ngram"
+                         + ("+early-exit:2" if "hybrid" in name else ""))
+    specs = [a for a in arg.split("+")] if "hybrid" in name else [arg]
+    if "hybrid" in name and (len(specs) < 2 or not all(specs)):
+        raise ValueError(f"proposer spec {name}:{arg} needs two or more parts joined by '+', e.g. ngram+early-exit:2")
+    parts = [load_proposer(s, target, tokenizer=tokenizer, **options) for s in specs]
+    adaptive = name != "hybrid"
+    cm = _cost_model(cost_model, target, parts) if adaptive or cost_model is not None else None
+    if name == "adaptive":
+        return AdaptiveProposer(parts[0], cm, max_gamma=max_gamma)
+    return HybridProposer(parts, cost_model=cm, adaptive=adaptive, max_gamma=max_gamma)
+
+
+def _cost_model(cost_model, target: nn.Module, parts: list[Proposer]):
+    """A CostModel from an instance, a JSON path, or (None) the target's cached / measured one."""
+    from drafttrain.decode.costmodel import CostModel, load_or_measure, proposer_key
+
+    if cost_model is None:
+        return load_or_measure(target, {proposer_key(p): p for p in parts})
+    if isinstance(cost_model, (str, Path)):
+        try:
+            return CostModel.load(cost_model)
+        except FileNotFoundError:
+            raise ValueError(f"cost_model {str(cost_model)!r}: no such file (write one with `drafttrain profile`)") from None
+    return cost_model
 
 
 def _load_medusa(folder: Path, method: str, target: nn.Module, **options) -> Proposer:

@@ -9,6 +9,12 @@ call:
         ... target verifies the tree ...
         proposer.observe(state, tree, result, hidden)   # learn what was accepted
 
+`observe(..., own=mask)`: wrappers (adaptive.py, hybrid.py) also call `observe` for steps whose
+verified tree was not this proposer's last proposal, for some rows or all (`own` [B] bool: rows
+whose verified tree came from this proposer's last `propose` in this step; None = all). A
+proposer must then use only the accepted path and `hidden` of the verified tree for the other
+rows (and read nothing of its own drafts there): it may even not have proposed this step.
+
 `hidden` maps each index in `proposer.needs_hidden_states` (HF `hidden_states` numbering:
 0 = embedding output, j = output of decoder layer j-1) to the target's hidden states at the
 tokens just fed: the prompt minus its last token at prefill ([B, P-1, H]), the tree nodes at
@@ -17,7 +23,9 @@ verification ([B, N, H]).
 `NodeDrafter` implements `propose` for any drafter that scores one tree level at a time given
 its parents (early exit, a draft LM, EAGLE): chain (gamma drafts, sampled when temperature > 0
 with their probabilities), static Medusa-style trees and EAGLE-2 dynamic trees (deterministic
-top-k candidates: draft_probs None). A subclass provides three hooks:
+top-k candidates: draft_probs None), each node with its confidence (the drafter's probability of
+the node's token at its parent; for sampled chains the top probability of q, known before the
+draw). A subclass provides three hooks:
 
     _begin(state) -> (root logits [B, V'], root slot)    # catch up on committed tokens
     _feed(state, tokens, parent_nodes, parent_slots, positions) -> logits [B, n, V']
@@ -63,8 +71,12 @@ class Proposer:
         raise NotImplementedError
 
     def observe(self, state: DecodeState, tree: DraftTree, result: VerifyResult,
-                hidden: dict[int, Tensor]) -> None:
-        """Called after verification, once state.tokens holds the newly accepted tokens."""
+                hidden: dict[int, Tensor], *, own: Tensor | None = None) -> None:
+        """Called after verification, once state.tokens holds the newly accepted tokens.
+
+        Args:
+            own: [B] bool, rows whose verified tree is this proposer's last proposal (None = all).
+        """
 
 
 def accepted_paths(result: VerifyResult) -> list[list[int]]:
@@ -128,12 +140,15 @@ class NodeDrafter(Proposer):
             tree = self._draft_chain(state, logits0, state.gamma or self.default_gamma)
         return tree
 
-    def observe(self, state, tree, result, hidden) -> None:
-        slots = self._slot.gather(1, self._tree_ids).tolist()  # [B, N] pending slot per tree node
+    def observe(self, state, tree, result, hidden, *, own: Tensor | None = None) -> None:
+        paths = accepted_paths(result)
+        mine = [True] * len(paths) if own is None else own.tolist()
+        # [B, N] pending slot per tree node; read only for rows whose tree is this step's proposal
+        slots = self._slot.gather(1, self._tree_ids).tolist() if any(mine) else []
         accepted = []
-        for b, path in enumerate(accepted_paths(result)):
+        for b, path in enumerate(paths):
             fed = []
-            for node in path:
+            for node in path if mine[b] else ():  # other rows: keep nothing, _begin catches up
                 if slots[b][node] < 0:
                     break
                 fed.append(slots[b][node])
@@ -155,19 +170,23 @@ class NodeDrafter(Proposer):
     def _draft_chain(self, state: DecodeState, logits: Tensor, gamma: int) -> DraftTree:
         """gamma drafts on one branch; sampled, with their probabilities, when temperature > 0."""
         B = logits.shape[0]
-        drafts, probs = [], []
+        drafts, probs, conf = [], [], []
         for t in range(gamma):
             q = process_logits(logits, state.temperature, state.top_k, state.top_p, check=False)  # [B, V']
             if state.temperature == 0:
                 x = q.argmax(-1)
+                conf.append(torch.softmax(logits.float(), -1).max(-1).values)  # p of the argmax
             else:
+                # q's top probability, NOT q(x): a confidence must be known before x is drawn
+                conf.append(q.max(-1).values)
                 x = torch.multinomial(q, 1, generator=state.generator)[:, 0]
                 probs.append(self._probs_to_target(q))
             drafts.append(self._draft_to_target(x))
             if t + 1 < gamma:  # draft t is node t + 1, child of node t
                 node = torch.full((B, 1), t + 1, device=x.device)
                 logits = self._feed_nodes(state, drafts[-1][:, None], node, node - 1, depth=t + 1)[:, 0]
-        tree = chain_tree(state.root, torch.stack(drafts, 1), torch.stack(probs, 1) if probs else None)
+        tree = chain_tree(state.root, torch.stack(drafts, 1), torch.stack(probs, 1) if probs else None,
+                          torch.stack(conf, 1))
         self._tree_ids = torch.arange(tree.size, device=logits.device).expand(B, -1)
         return tree
 
@@ -179,13 +198,16 @@ class NodeDrafter(Proposer):
         B, device = logits0.shape[0], logits0.device
         node_of: dict[tuple[int, ...], int] = {(): 0}
         tokens, parents = [state.root], [-1]
+        conf = [torch.ones(B, device=device)]
         logits_of = {(): logits0}  # [B, V'] drafter logits at a node
         levels = spec.levels()
         for d, level in enumerate(levels, start=1):
             for path in level:
-                x = logits_of[path[:-1]].topk(path[-1] + 1, dim=-1).indices[:, path[-1]]  # [B]
+                top = torch.softmax(logits_of[path[:-1]].float(), -1).topk(path[-1] + 1, dim=-1)
+                x = top.indices[:, path[-1]]  # [B]
                 node_of[path] = len(tokens)
                 tokens.append(self._draft_to_target(x))
+                conf.append(top.values[:, path[-1]])
                 parents.append(node_of[path[:-1]])
             if d == len(levels):
                 break
@@ -198,7 +220,8 @@ class NodeDrafter(Proposer):
                 logits_of[p] = out[:, j]
         tok = torch.stack(tokens, 1)
         self._tree_ids = torch.arange(tok.shape[1], device=device).expand(B, -1)
-        return DraftTree(tok, torch.tensor(parents, device=device).expand(B, -1).clone(), None)
+        return DraftTree(tok, torch.tensor(parents, device=device).expand(B, -1).clone(), None,
+                         torch.stack(conf, 1))
 
     def _draft_dynamic(self, state: DecodeState, logits0: Tensor, spec: DynamicTree) -> DraftTree:
         """EAGLE-2: expand the top_k frontier nodes by cumulative draft log-prob, then rerank
@@ -207,6 +230,7 @@ class NodeDrafter(Proposer):
         top = torch.log_softmax(logits0.float(), -1).topk(k, -1)  # [B, k]
         cand_tok = [self._draft_to_target(top.indices)]  # per level: [B, *] target ids
         cand_score = [top.values]  # cumulative log-probs
+        cand_local = [top.values]  # each candidate's own log-prob at its parent (its confidence)
         cand_parent = [torch.full((B, k), -1, dtype=torch.long, device=device)]  # parent candidate
         frontier = torch.arange(k, device=device).expand(B, k)  # candidate indices [B, k]
         front_score = top.values
@@ -219,6 +243,7 @@ class NodeDrafter(Proposer):
             scores = front_score[:, :, None] + child.values  # [B, k, k]
             cand_tok.append(self._draft_to_target(child.indices).reshape(B, k * k))
             cand_score.append(scores.reshape(B, k * k))
+            cand_local.append(child.values.reshape(B, k * k))
             cand_parent.append(frontier[:, :, None].expand(B, k, k).reshape(B, k * k))
             best = scores.reshape(B, k * k).topk(k, -1)
             frontier = offset + best.indices
@@ -227,4 +252,5 @@ class NodeDrafter(Proposer):
         keep, parents = rerank_to_budget(torch.cat(cand_score, 1), torch.cat(cand_parent, 1), spec.budget)
         tokens = torch.cat([state.root[:, None], torch.cat(cand_tok, 1).gather(1, keep)], 1)
         self._tree_ids = torch.cat([torch.zeros(B, 1, dtype=torch.long, device=device), keep + 1], 1)
-        return DraftTree(tokens, parents, None)
+        conf = torch.cat([torch.ones(B, 1, device=device), torch.cat(cand_local, 1).gather(1, keep).exp()], 1)
+        return DraftTree(tokens, parents, None, conf)

@@ -61,7 +61,9 @@ class EagleProposer(NodeDrafter):
                 if n > 0:
                     self.feats[b].append(fused[b, fused.shape[1] - n :])
 
-    def observe(self, state, tree, result, hidden) -> None:
+    def observe(self, state, tree, result, hidden, *, own=None) -> None:
+        # Only the verified tree's accepted path and hidden states are read, so this works for any
+        # tree (`own` does not matter): a foreign tree, or a step this proposer did not draft.
         self.kv.rollback()  # drafted nodes were built from the drafter's own features
         fused = self._fused(hidden)  # [B, N, H] target features at the tree nodes
         for b, path in enumerate(accepted_paths(result)):

@@ -61,5 +61,5 @@ class EarlyExitProposer(NodeDrafter):
         finally:
             state.kv.rollback()  # layers < K hold the drafts as pending: drop them before verifying
 
-    def observe(self, state, tree, result, hidden) -> None:
+    def observe(self, state, tree, result, hidden, *, own=None) -> None:
         pass  # nothing of its own to keep: the target's commit covers layers < K

@@ -61,7 +61,7 @@ class MedusaProposer(NodeDrafter):
     # ---- engine hooks -----------------------------------------------------------------------------
     def prefill(self, state, hidden) -> None:
         B = state.root.shape[0]
-        h = next(iter(hidden.values())) if hidden else None  # [B, P-1, H] left-padded
+        h = hidden.get(self.needs_hidden_states[0])  # [B, P-1, H] left-padded (None: 1-token prompt)
         # A one-token prompt has no state before the root: zeros (the drafts are then guesses,
         # which verification rejects or accepts as usual).
         self.state_h = torch.zeros(B, self.heads.cfg.hidden_size, device=state.root.device)
@@ -72,7 +72,8 @@ class MedusaProposer(NodeDrafter):
         self._check(state)
         return super().propose(state)
 
-    def observe(self, state, tree, result, hidden) -> None:
+    def observe(self, state, tree, result, hidden, *, own=None) -> None:
+        # any verified tree will do (`own` does not matter): only its accepted path and hidden are read
         h = hidden[self.needs_hidden_states[0]]  # [B, N, H] at the tree nodes
         last = torch.tensor([p[-1] if p else 0 for p in accepted_paths(result)], device=h.device)
         self.state_h = h[torch.arange(h.shape[0], device=h.device), last].float()  # [B, H]

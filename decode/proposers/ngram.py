@@ -5,6 +5,10 @@ text; the most recent earlier occurrence wins and the gamma tokens that followed
 chain. With a tree setting (static or dynamic), up to `branches` distinct continuations from
 different occurrences are merged into a trie instead. Drafts are deterministic: draft_probs None.
 
+Confidence (for adaptive / hybrid scheduling): every draft node gets n / max_ngram, n = the
+length of the matched suffix (a 3-token match is more trustworthy than a 1-token one); the
+calibrator (adaptive.py) turns it, with the node's depth, into an acceptance estimate.
+
 Deliberately not here: suffix automata / suffix trees over a corpus, frequency-weighted
 continuations. A row without a match gets an empty tree (the target still emits one token).
 """
@@ -17,11 +21,16 @@ from torch import Tensor
 from drafttrain.decode.proposers.base import Proposer
 from drafttrain.decode.tree import DraftTree, DynamicTree, StaticTree, pad_trees
 
-__all__ = ["NGramProposer", "lookup_continuations"]
+__all__ = ["NGramProposer", "lookup_continuations", "lookup_match"]
 
 
 def lookup_continuations(seq: Tensor, max_ngram: int, min_ngram: int, length: int, limit: int) -> list[list[int]]:
-    """Continuations of the longest suffix n-gram that occurs earlier in `seq`.
+    """Continuations of the longest suffix n-gram that occurs earlier in `seq` (see `lookup_match`)."""
+    return lookup_match(seq, max_ngram, min_ngram, length, limit)[1]
+
+
+def lookup_match(seq: Tensor, max_ngram: int, min_ngram: int, length: int, limit: int) -> tuple[int, list[list[int]]]:
+    """(n, continuations) of the longest suffix n-gram that occurs earlier in `seq` (n = 0: none).
 
     Args:
         seq: [T] token ids (prompt + generated, the root last).
@@ -30,7 +39,7 @@ def lookup_continuations(seq: Tensor, max_ngram: int, min_ngram: int, length: in
         limit: most distinct continuations to return (most recent occurrence first).
 
     Returns:
-        up to `limit` non-empty continuations.
+        (matched suffix length, up to `limit` non-empty continuations).
     """
     T = seq.shape[0]
     for n in range(min(max_ngram, T - 1), min_ngram - 1, -1):
@@ -45,8 +54,8 @@ def lookup_continuations(seq: Tensor, max_ngram: int, min_ngram: int, length: in
                 if len(found) == limit:
                     break
         if found:
-            return found
-    return []
+            return n, found
+    return 0, []
 
 
 class NGramProposer(Proposer):
@@ -78,10 +87,11 @@ class NGramProposer(Proposer):
             limit = max(limit, self.branches) if isinstance(spec, DynamicTree) else limit
         rows = []
         for b, seq in enumerate(state.tokens):
-            conts = []
+            n, conts = 0, []
             if bool(state.active[b]):
-                conts = lookup_continuations(torch.tensor(seq), self.max_ngram, self.min_ngram, length, limit)
-            rows.append(_trie(seq[-1], conts))
+                n, conts = lookup_match(torch.tensor(seq), self.max_ngram, self.min_ngram, length, limit)
+            tokens, parents = _trie(seq[-1], conts)
+            rows.append((tokens, parents, [1.0] + [n / self.max_ngram] * (len(tokens) - 1)))
         return pad_trees(rows, state.root.device)
 
 

@@ -1,0 +1,430 @@
+"""Cost model: how long the target's verification forward and each drafter's step take, here.
+
+Measured once per (target, device, dtype, torch threads, torch version) and cached as JSON, it
+answers two questions for adaptive speculation (adaptive.py) and the evaluation's oracle:
+
+    verify_time(batch, tokens)   ms of one target forward over `tokens` new tokens per row, for
+                                 `batch` rows, at the measured context length
+    draft_time(name, batch)      ms of one draft step (one token per row) of proposer `name`
+
+Layout:
+    CostModel            the measured grid + per-proposer costs + meta (who, where, when); save / load
+    measure_cost_model   times `kv.target_forward` on a filled KV cache and each proposer's steps
+    load_or_measure      the cache (~/.cache/drafttrain/costs), re-measuring only what is missing
+    proposer_key         the name a proposer's cost is filed under ("eagle", "early-exit:2", ...)
+
+Interpolation: bilinear inside the grid, after the grid is made non-decreasing in both axes
+(running max: more work never takes less time); beyond the grid, linear with the last segment's
+slope (made non-decreasing across the other axis), so `verify_time` is monotone in batch and in
+tokens everywhere; below the grid, the first value.
+
+How a draft step is timed: the proposer runs `speculative_generate` on random prompts of
+`context` tokens with a fixed chain length (gamma 4); the time of each propose + observe call,
+the first call excluded (it catches up on the whole prompt), divided by gamma, median over the
+calls. It includes the drafter's catch-up on the accepted tokens, as in real decoding.
+
+Deliberately not here: choosing lengths (adaptive.py), plotting and the CLI (drafttrain/profile.py),
+memory or power models.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import platform
+import statistics
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from drafttrain.decode.proposers.base import Proposer
+
+__all__ = ["CostModel", "measure_cost_model", "load_or_measure", "proposer_key", "FREE_PROPOSERS",
+           "DEFAULT_CACHE_DIR"]
+
+#: proposers whose draft step costs ~nothing unless measured (host-side lookups).
+FREE_PROPOSERS = ("ngram",)
+DEFAULT_CACHE_DIR = "~/.cache/drafttrain/costs"
+_VERSION = 1
+
+
+def proposer_key(proposer) -> str:
+    """The name a proposer's draft cost is filed under: its `name`, plus K for early exit."""
+    name = getattr(proposer, "name", None) or type(proposer).__name__
+    if name == "early-exit":
+        return f"early-exit:{proposer.num_layers}"
+    return name
+
+
+# ---- interpolation ----------------------------------------------------------------------------------
+def _cummax(values: list[float]) -> list[float]:
+    out, m = [], float("-inf")
+    for v in values:
+        m = max(m, v)
+        out.append(m)
+    return out
+
+
+def _end_slope(xs: list[int], ys: list[float]) -> float:
+    """Slope of the last segment (>= 0); one point: proportional (y / x)."""
+    if len(xs) == 1:
+        return max(ys[0], 0.0) / max(xs[0], 1)
+    return max((ys[-1] - ys[-2]) / (xs[-1] - xs[-2]), 0.0)
+
+
+def _interp(xs: list[int], ys: list[float], x: float, end_slope: float) -> float:
+    """Piecewise-linear through (xs, ys) (xs ascending, ys non-decreasing); first value below,
+    `end_slope` beyond the last point."""
+    if x <= xs[0]:
+        return ys[0]
+    if x >= xs[-1]:
+        return ys[-1] + (x - xs[-1]) * end_slope
+    for i in range(1, len(xs)):
+        if x <= xs[i]:
+            w = (x - xs[i - 1]) / (xs[i] - xs[i - 1])
+            return ys[i - 1] + w * (ys[i] - ys[i - 1])
+    return ys[-1]  # unreachable
+
+
+@dataclass
+class CostModel:
+    """Measured costs of one target on one machine (milliseconds).
+
+    Attributes:
+        verify_ms: {(batch, tokens_per_row): ms} of one target forward over `tokens_per_row` new
+            tokens per row at context `meta["context"]`; a full grid (every batch x every tokens).
+        draft_ms: {proposer key: {batch: ms per draft step}}.
+        meta: target identity, device, dtype, torch threads and version, context length, date.
+    """
+
+    verify_ms: dict[tuple[int, int], float]
+    draft_ms: dict[str, dict[int, float]] = field(default_factory=dict)
+    meta: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.verify_ms:
+            raise ValueError("a CostModel needs at least one verify_ms entry")
+        self._batches = sorted({b for b, _ in self.verify_ms})
+        self._tokens = sorted({t for _, t in self.verify_ms})
+        missing = [(b, t) for b in self._batches for t in self._tokens if (b, t) not in self.verify_ms]
+        if missing:
+            raise ValueError(f"verify_ms must be a full batch x tokens grid; missing {missing[:4]}")
+        grid = [_cummax([float(self.verify_ms[b, t]) for t in self._tokens]) for b in self._batches]
+        for j in range(len(self._tokens)):  # then non-decreasing in batch too
+            col = _cummax([row[j] for row in grid])
+            for i, row in enumerate(grid):
+                row[j] = col[i]
+        self._grid = grid  # [batches][tokens]
+        # slopes beyond the grid, non-decreasing across the other axis so monotonicity survives
+        self._t_slope = _cummax([_end_slope(self._tokens, row) for row in grid])  # per batch
+        self._b_slope = _cummax([_end_slope(self._batches, [row[j] for row in grid])
+                                 for j in range(len(self._tokens))])  # per tokens
+        self._memo: dict = {}
+
+    # ---- queries ------------------------------------------------------------------------------------
+    def verify_time(self, batch: int, tokens: int) -> float:
+        """ms of one target forward over `tokens` new tokens per row for `batch` rows."""
+        key = (batch, tokens)
+        if key not in self._memo:
+            self._memo[key] = self._verify(float(batch), float(tokens))
+        return self._memo[key]
+
+    def _verify(self, batch: float, tokens: float) -> float:
+        bs = self._batches
+        rows = [_interp(self._tokens, row, tokens, s) for row, s in zip(self._grid, self._t_slope)]
+        if batch <= bs[-1]:
+            return _interp(bs, rows, batch, 0.0)
+        b_slope = _interp(self._tokens, self._b_slope, tokens, 0.0)  # non-decreasing in tokens
+        return rows[-1] + (batch - bs[-1]) * b_slope
+
+    def draft_time(self, name: str, batch: int) -> float:
+        """ms of one draft step of proposer `name` (see `proposer_key`) for `batch` rows.
+
+        Raises:
+            KeyError: `name` was not measured and is not a free proposer (FREE_PROPOSERS).
+        """
+        costs = self.draft_ms.get(name)
+        if costs is None:
+            if name.split(":")[0] in FREE_PROPOSERS:
+                return 0.0
+            measured = ", ".join(sorted(self.draft_ms)) or "none"
+            raise KeyError(f"the cost model has no draft cost for {name!r} (measured: {measured}); "
+                           f"measure it with load_or_measure(...) or `drafttrain profile proposers=...`")
+        xs = sorted(costs)
+        ys = _cummax([float(costs[x]) for x in xs])
+        return _interp(xs, ys, float(batch), _end_slope(xs, ys))
+
+    @property
+    def batch_sizes(self) -> list[int]:
+        return list(self._batches)
+
+    @property
+    def token_counts(self) -> list[int]:
+        return list(self._tokens)
+
+    def covers(self, batch_sizes, tokens) -> bool:
+        """Whether every (batch, tokens) pair was measured."""
+        return all((b, t) in self.verify_ms for b in batch_sizes for t in tokens)
+
+    def table(self) -> str:
+        """A plain-text table: verify ms (batch x tokens per row), then draft ms per step."""
+        width = max(7, *(len(str(t)) + 2 for t in self._tokens))
+        head = "verify ms  batch \\ tokens" + "".join(f"{t:>{width}}" for t in self._tokens)
+        lines = [head]
+        for b in self._batches:
+            lines.append(f"{b:>26}" + "".join(f"{self.verify_ms[b, t]:>{width}.2f}" for t in self._tokens))
+        if self.draft_ms:
+            batches = sorted({b for c in self.draft_ms.values() for b in c})
+            lines += ["", "draft ms / step  proposer \\ batch" + "".join(f"{b:>{width}}" for b in batches)]
+            for name, c in sorted(self.draft_ms.items()):
+                cells = "".join(f"{c[b]:>{width}.3f}" if b in c else f"{'-':>{width}}" for b in batches)
+                lines.append(f"{name:>33}" + cells)
+        return "\n".join(lines)
+
+    # ---- JSON -------------------------------------------------------------------------------------
+    def to_json(self) -> dict:
+        verify: dict[str, dict[str, float]] = {}
+        for (b, t), ms in sorted(self.verify_ms.items()):
+            verify.setdefault(str(b), {})[str(t)] = ms
+        draft = {n: {str(b): ms for b, ms in sorted(c.items())} for n, c in sorted(self.draft_ms.items())}
+        return {"version": _VERSION, "meta": self.meta, "verify_ms": verify, "draft_ms": draft}
+
+    @classmethod
+    def from_json(cls, data: dict) -> CostModel:
+        verify = {(int(b), int(t)): float(ms) for b, row in data["verify_ms"].items() for t, ms in row.items()}
+        draft = {n: {int(b): float(ms) for b, ms in c.items()} for n, c in data.get("draft_ms", {}).items()}
+        return cls(verify, draft, dict(data.get("meta", {})))
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path).expanduser()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(self.to_json(), indent=1) + "\n")
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> CostModel:
+        """Reads a cost model JSON (as written by `save`).
+
+        Raises:
+            FileNotFoundError: no such file. ValueError: not a cost model.
+        """
+        path = Path(path).expanduser()
+        try:
+            data = json.loads(path.read_text())
+            return cls.from_json(data)
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"{path} is not a drafttrain cost model JSON ({type(e).__name__}: {e})") from None
+
+
+# ---- measuring --------------------------------------------------------------------------------------
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        return next(ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                    if ln.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine() or "cpu"
+
+
+def _identity(target: nn.Module) -> dict:
+    """What the cache is keyed by: the target (config + size + dtype) and the machine."""
+    p = next(target.parameters())
+    config = target.config.to_dict()
+    config.pop("_name_or_path", None)
+    config.pop("transformers_version", None)
+    config_hash = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    return {"target": getattr(target.config, "_name_or_path", "") or target.config.model_type,
+            "model_type": target.config.model_type, "config_hash": config_hash,
+            "params": sum(q.numel() for q in target.parameters()), "dtype": str(p.dtype).replace("torch.", ""),
+            "device": _device_name(p.device), "threads": torch.get_num_threads(), "torch": torch.__version__}
+
+
+def _cache_file(identity: dict, cache_dir: str | Path) -> Path:
+    keyed = {k: identity[k] for k in ("config_hash", "params", "dtype", "device", "threads", "torch")}
+    digest = hashlib.sha256(json.dumps(keyed, sort_keys=True).encode()).hexdigest()[:16]
+    return Path(cache_dir).expanduser() / f"{identity['model_type']}-{digest}.json"
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _time_verify(target: nn.Module, batch: int, tokens: list[int], context: int, repeats: int,
+                 bar) -> dict[tuple[int, int], float]:
+    """Median ms of target_forward over t new tokens per row after a `context`-token prefill."""
+    from drafttrain.decode.kv import KVState, target_forward
+
+    device = next(target.parameters()).device
+    vocab = target.get_output_embeddings().weight.shape[0]
+    g = torch.Generator().manual_seed(0)
+    kv = KVState.for_model(target, batch, device)
+    ids = torch.randint(0, vocab, (batch, context), generator=g).to(device)
+    col = torch.arange(context, device=device).expand(batch, -1)
+    target_forward(target, kv, ids, col, col - 1, head="none")  # col - 1: a causal chain, -1 for the first
+    kv.commit(col)
+    out = {}
+    for t in tokens:
+        new = torch.randint(0, vocab, (batch, t), generator=g).to(device)
+        pos = context + torch.arange(t, device=device).expand(batch, -1)
+        parents = torch.arange(-1, t - 1, device=device).expand(batch, -1)
+        times = []
+        for r in range(repeats + 1):  # the first call warms up
+            _sync(device)
+            t0 = time.perf_counter()
+            target_forward(target, kv, new, pos, parents, head="argmax")
+            _sync(device)
+            if r:
+                times.append((time.perf_counter() - t0) * 1e3)
+            kv.rollback()
+        out[batch, t] = statistics.median(times)
+        bar.update(1)
+    return out
+
+
+class _Timed(Proposer):
+    """Wraps a proposer and times each propose + observe pair (ms)."""
+
+    def __init__(self, inner, device: torch.device):
+        self.inner, self.device, self.times = inner, device, []
+        self.needs_hidden_states = inner.needs_hidden_states
+        self.default_gamma = inner.default_gamma
+
+    def prefill(self, state, hidden) -> None:
+        self.inner.prefill(state, hidden)
+
+    def propose(self, state):
+        _sync(self.device)
+        self._t0 = time.perf_counter()
+        tree = self.inner.propose(state)
+        _sync(self.device)
+        self._ms = (time.perf_counter() - self._t0) * 1e3
+        return tree
+
+    def observe(self, state, tree, result, hidden, *, own=None) -> None:
+        _sync(self.device)
+        t0 = time.perf_counter()
+        self.inner.observe(state, tree, result, hidden, own=own)
+        _sync(self.device)
+        self.times.append(self._ms + (time.perf_counter() - t0) * 1e3)
+
+
+def _time_draft(target: nn.Module, proposer, batch: int, context: int, repeats: int, gamma: int = 4) -> float:
+    """Median ms per draft step of `proposer` (see the module docstring)."""
+    from drafttrain.decode.engine import speculative_generate
+
+    device = next(target.parameters()).device
+    vocab = target.get_output_embeddings().weight.shape[0]
+    ids = torch.randint(3, vocab, (batch, context), generator=torch.Generator().manual_seed(1)).to(device)
+    timed = _Timed(proposer, device)
+    steps = max(repeats, 1) + 1
+    speculative_generate(target, timed, ids, max_new_tokens=steps * (gamma + 1), gamma=gamma, eos_token_id=[])
+    later = timed.times[1:] or timed.times  # the first call reads the whole prompt
+    return statistics.median(later) / gamma
+
+
+def measure_cost_model(target: nn.Module, proposers: dict | None = None, *, batch_sizes=(1, 2, 4, 8, 16),
+                       tokens=(1, 2, 3, 4, 5, 6, 8, 12, 16), context: int = 256, repeats: int = 3,
+                       progress: bool = True, verify: bool = True) -> CostModel | dict[str, dict[int, float]]:
+    """Times the target's verification forward on a grid and each proposer's draft step.
+
+    Args:
+        target: the target HF causal LM (eval mode), on the device to measure.
+        proposers: {cost key: Proposer}; see `proposer_key`.
+        batch_sizes / tokens: the grid (rows per forward x new tokens per row).
+        context: committed tokens per row in the KV cache before each timed forward.
+        repeats: timed calls per point (median), after one warm-up call.
+        progress: show a progress bar with ETA.
+        verify: False times the proposers only and returns {key: {batch: ms}}.
+
+    Returns:
+        A CostModel (or, with verify=False, the draft costs alone).
+    """
+    from tqdm.auto import tqdm
+
+    proposers = proposers or {}
+    batch_sizes, tokens = sorted(set(batch_sizes)), sorted(set(tokens))
+    if not batch_sizes or not tokens or min(batch_sizes) < 1 or min(tokens) < 1:
+        raise ValueError("batch_sizes and tokens must be non-empty lists of integers >= 1")
+    if context < 1 or repeats < 1:
+        raise ValueError("context and repeats must be >= 1")
+    total = (len(batch_sizes) * len(tokens) if verify else 0) + len(proposers) * len(batch_sizes)
+    bar = tqdm(total=total, desc="profile", unit="pt", disable=not progress, dynamic_ncols=True)
+    verify_ms: dict[tuple[int, int], float] = {}
+    draft_ms: dict[str, dict[int, float]] = {}
+    with torch.inference_mode():
+        if verify:
+            for b in batch_sizes:
+                bar.set_postfix_str(f"verify batch {b}")
+                verify_ms.update(_time_verify(target, b, tokens, context, repeats, bar))
+        for name, proposer in proposers.items():
+            for b in batch_sizes:
+                bar.set_postfix_str(f"draft {name} batch {b}")
+                draft_ms.setdefault(name, {})[b] = _time_draft(target, proposer, b, context, repeats)
+                bar.update(1)
+    bar.close()
+    if not verify:
+        return draft_ms
+    meta = _identity(target)
+    meta.update(context=context, repeats=repeats, head="argmax",
+                date=datetime.now(timezone.utc).isoformat(timespec="seconds"))
+    return CostModel(verify_ms, draft_ms, meta)
+
+
+def load_or_measure(target: nn.Module, proposers: dict | None = None, *,
+                    cache_dir: str | Path = DEFAULT_CACHE_DIR, refresh: bool = False, progress: bool = True,
+                    **kw) -> CostModel:
+    """The cached cost model of this target on this machine, measuring what is missing.
+
+    The cache file is keyed by the target (config hash, parameter count, dtype), the device name,
+    torch threads and torch version. A cached grid that lacks a requested (batch, tokens) point or
+    was measured at another context is re-measured; proposers not in the cache are measured and
+    added; everything else is reused.
+
+    Args:
+        target: the target model.
+        proposers: {cost key: Proposer} (see `proposer_key`).
+        cache_dir: where the JSON files live.
+        refresh: re-measure everything.
+        progress: progress bar.
+        **kw: `measure_cost_model` settings (batch_sizes, tokens, context, repeats).
+
+    Returns:
+        The CostModel (also saved, with the path in `meta["path"]`).
+    """
+    proposers = dict(proposers or {})
+    ident = _identity(target)
+    path = _cache_file(ident, cache_dir)
+    cm = None
+    if path.is_file() and not refresh:
+        try:
+            cm = CostModel.load(path)
+        except ValueError:
+            cm = None
+    want_b = kw.get("batch_sizes", (1, 2, 4, 8, 16))
+    want_t = kw.get("tokens", (1, 2, 3, 4, 5, 6, 8, 12, 16))
+    stale = cm is None or not cm.covers(want_b, want_t) or cm.meta.get("context") != kw.get("context", 256)
+    if stale:
+        fresh = measure_cost_model(target, proposers, progress=progress, **kw)
+        if cm is not None and not refresh:  # keep drafters measured earlier that were not asked for now
+            fresh.draft_ms = {**cm.draft_ms, **fresh.draft_ms}
+        cm = fresh
+    else:
+        missing = {k: p for k, p in proposers.items() if k not in cm.draft_ms}
+        if missing:
+            kw2 = {k: v for k, v in kw.items() if k != "tokens"}
+            kw2["batch_sizes"] = cm.batch_sizes
+            kw2["context"] = cm.meta.get("context", 256)
+            added = measure_cost_model(target, missing, progress=progress, verify=False, **kw2)
+            cm = CostModel(cm.verify_ms, {**cm.draft_ms, **added}, cm.meta)
+        else:
+            cm.meta["path"] = str(path)
+            return cm
+    cm.meta["path"] = str(path)
+    cm.save(path)
+    return cm

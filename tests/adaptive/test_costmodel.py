@@ -1,0 +1,98 @@
+"""The cost model: JSON round trip, monotone interpolation and extrapolation, the cache (measured
+once, re-measuring only what is missing), and `drafttrain profile` on a tiny target.
+
+Tiny target: hidden 64, 4 layers, vocab 263 (real: Gemma 3 270M, 640 / 18 / 262144).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from drafttrain.cli import main
+from drafttrain.decode import CostModel, load_or_measure, load_proposer
+from drafttrain.decode import costmodel as costmodel_module
+from drafttrain.testing import save_tiny_run_root, tiny_target
+
+
+def grid() -> CostModel:
+    # a noisy measurement: (4, 2) came out faster than (4, 1) and (8, 3) faster than (4, 3)
+    verify = {(1, 1): 5.0, (1, 2): 5.5, (1, 3): 6.0, (4, 1): 7.0, (4, 2): 6.8, (4, 3): 9.0,
+              (8, 1): 9.0, (8, 2): 11.0, (8, 3): 8.0}
+    return CostModel(verify, {"eagle": {1: 0.5, 8: 1.5}}, {"target": "tiny", "context": 16})
+
+
+def test_save_load_round_trip(tmp_path):
+    cm = grid()
+    again = CostModel.load(cm.save(tmp_path / "sub" / "cost.json"))
+    assert again.verify_ms == cm.verify_ms and again.draft_ms == cm.draft_ms and again.meta == cm.meta
+    assert again.verify_time(3, 5) == cm.verify_time(3, 5)
+    (tmp_path / "bad.json").write_text(json.dumps({"hello": 1}))
+    with pytest.raises(ValueError, match="not a drafttrain cost model"):
+        CostModel.load(tmp_path / "bad.json")
+
+
+def test_interpolation_is_monotone_and_extrapolates_linearly():
+    cm = grid()
+    batches, tokens = [1, 2, 3, 4, 6, 8, 12, 20], [1, 2, 3, 4, 6, 10]
+    table = [[cm.verify_time(b, t) for t in tokens] for b in batches]
+    for row in table:  # more tokens never cost less
+        assert all(a <= b + 1e-9 for a, b in zip(row, row[1:]))
+    for col in zip(*table):  # more rows never cost less
+        assert all(a <= b + 1e-9 for a, b in zip(col, col[1:]))
+    assert cm.verify_time(1, 2) == 5.5 and cm.verify_time(2, 1) == pytest.approx(5.0 + 2.0 / 3)
+    # beyond the grid: the last segment's slope (tokens: +0.5 ms per token at batch 1)
+    assert cm.verify_time(1, 7) == pytest.approx(6.0 + 4 * 0.5)
+    assert cm.verify_time(16, 1) - cm.verify_time(8, 1) == pytest.approx(8 * (9.0 - 7.0) / 4)
+    assert cm.draft_time("eagle", 4) == pytest.approx(0.5 + 3 / 7) and cm.draft_time("eagle", 15) == pytest.approx(2.5)
+
+
+def test_draft_time_of_unmeasured_proposers():
+    cm = grid()
+    assert cm.draft_time("ngram", 4) == 0.0  # host-side lookup: free unless measured
+    with pytest.raises(KeyError, match="no draft cost for 'draft-lm'.*measured: eagle"):
+        cm.draft_time("draft-lm", 4)
+    with pytest.raises(ValueError, match="full batch x tokens grid"):
+        CostModel({(1, 1): 1.0, (2, 2): 2.0})
+
+
+def test_measured_once_then_only_missing_proposers(tmp_path, monkeypatch):
+    model = tiny_target("llama")
+    timed = []
+    real_draft = costmodel_module._time_draft
+    monkeypatch.setattr(costmodel_module, "_time_draft",
+                        lambda target, p, b, *a, **k: timed.append((p.name, b)) or real_draft(target, p, b, *a, **k))
+    kw = dict(cache_dir=tmp_path, batch_sizes=(1, 2), tokens=(1, 3), context=8, repeats=1, progress=False)
+    cm = load_or_measure(model, {"ngram": load_proposer("ngram", model)}, **kw)
+    assert set(cm.verify_ms) == {(1, 1), (1, 3), (2, 1), (2, 3)} and all(v > 0 for v in cm.verify_ms.values())
+    assert cm.meta["params"] == sum(p.numel() for p in model.parameters()) and cm.meta["context"] == 8
+    files = list(tmp_path.glob("*.json"))
+    assert len(files) == 1 and timed == [("ngram", 1), ("ngram", 2)]
+    again = load_or_measure(model, {"ngram": load_proposer("ngram", model),
+                                    "early-exit:2": load_proposer("early-exit:2", model)}, **kw)
+    assert timed[2:] == [("early-exit", 1), ("early-exit", 2)]  # only the new proposer was timed
+    assert again.verify_ms == cm.verify_ms and set(again.draft_ms) == {"ngram", "early-exit:2"}
+    assert CostModel.load(files[0]).draft_ms == again.draft_ms
+
+
+def test_profile_help(capsys):
+    assert main(["profile", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "usage: drafttrain profile" in out and "batch_sizes" in out and "refresh" in out
+
+
+def test_profile_writes_the_cache_and_the_plot(tmp_path, capsys):
+    root = save_tiny_run_root(tmp_path / "root")
+    png, cache = tmp_path / "out" / "cost.png", tmp_path / "cache"
+    rc = main(["profile", f"target={root}/target", "dtype=float32", "device=cpu", "proposers=ngram,early-exit:2",
+               "batch_sizes=1,2", "tokens=1,2", "context=8", "repeats=1", f"output={png}", f"cache_dir={cache}",
+               "progress=false"])
+    out = capsys.readouterr().out
+    assert rc == 0 and png.stat().st_size > 1000 and png.read_bytes()[:4] == b"\x89PNG"
+    cached = list(cache.glob("*.json"))
+    assert len(cached) == 1
+    cm = CostModel.load(cached[0])
+    assert set(cm.verify_ms) == {(1, 1), (1, 2), (2, 1), (2, 2)} and set(cm.draft_ms) == {"ngram", "early-exit:2"}
+    assert "verify ms" in out and "early-exit:2" in out
+    assert main(["profile", f"target={root}/target", "batch_sizes=0"]) == 2  # one-line error, no traceback
