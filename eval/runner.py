@@ -2,7 +2,8 @@
 
 Methods:
     target        drafttrain's engine with no proposer (target-only decoding, the reference)
-    <proposer>    drafttrain's engine with a proposer (n-gram, early exit, drafter, draft LM)
+    <proposer>    drafttrain's engine with a proposer (n-gram, early exit, drafter, draft LM,
+                  adaptive:<spec>, hybrid:<a>+<b>)
     hf            transformers `generate`, plain
     hf_lookup     transformers `generate(prompt_lookup_num_tokens=N)`          (batch 1 only)
     hf_assisted   transformers `generate(assistant_model=draft LM)`           (batch 1 only)
@@ -23,7 +24,7 @@ Deliberately not here: aggregation (metrics.py), files (report.py), sweeps (swee
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
@@ -31,7 +32,8 @@ from torch import nn
 from drafttrain.decode import Proposer, speculative_generate
 from drafttrain.eval.metrics import Call, first_divergence
 
-__all__ = ["Method", "left_pad", "eos_ids", "run_call", "run_benchmark", "greedy_check", "near_tie_tolerance"]
+__all__ = ["Method", "left_pad", "eos_ids", "run_call", "run_benchmark", "log_pass", "greedy_check",
+           "near_tie_tolerance"]
 
 
 @dataclass
@@ -45,6 +47,11 @@ class Method:
         hf_kwargs: extra `generate` kwargs for HF methods (prompt lookup, assistant model).
         batch1_only: HF assisted / lookup generation accept a single row only.
         gamma / tree: per-method override of the run's gamma / tree (sweeps).
+        adaptive: the proposer picks its draft length / part per step (adaptive:, hybrid: specs);
+            sweeps do not force a gamma on it.
+        log_steps: at T = 0, ask the engine for its step log (`DecodeStats.step_log`, for the
+            oracle bound). Logging makes adaptive proposers draft every part to its cap, so the
+            harness logs in a separate untimed pass (`log_pass`), never in a timed one.
     """
 
     name: str
@@ -54,6 +61,8 @@ class Method:
     batch1_only: bool = False
     gamma: int | None = None
     tree: object = None
+    adaptive: bool = False
+    log_steps: bool = False
 
 
 def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -92,12 +101,13 @@ def run_call(target: nn.Module, method: Method, prompts: list[list[int]], *, max
     gamma = method.gamma or gamma
     tree = method.tree if method.tree is not None else tree
     if method.kind == "engine":
+        opts = {"log_steps": True} if method.log_steps and temperature == 0 else {}
         t0 = time.perf_counter()
         out = speculative_generate(target, method.proposer, ids, attention_mask=mask, max_new_tokens=max_new_tokens,
                                    temperature=temperature, top_k=top_k, top_p=top_p,
                                    seed=seed if temperature > 0 else None, eos_token_id=eos,
                                    gamma=gamma if method.proposer is not None else None,
-                                   tree=tree if method.proposer is not None else None)
+                                   tree=tree if method.proposer is not None else None, **opts)
         return out.sequences, time.perf_counter() - t0, out.stats.as_dict()
     sampling = dict(do_sample=True, temperature=temperature, top_k=top_k, top_p=top_p) if temperature > 0 else \
         dict(do_sample=False, temperature=None, top_k=None, top_p=None)
@@ -137,6 +147,12 @@ def run_benchmark(target: nn.Module, methods: list[Method], prompts: list[list[i
             if on_call is not None:
                 on_call(m.name, call)
     return {k: v for k, v in calls.items() if v}
+
+
+def log_pass(target: nn.Module, methods: list[Method], prompts: list[list[int]], **run_kw) -> dict[str, list[Call]]:
+    """An untimed greedy re-run of `methods` with step logging on (for the oracle bound); same
+    batches and settings as the timed run (`run_kw` as for run_benchmark, without on_call)."""
+    return run_benchmark(target, [replace(m, log_steps=True) for m in methods], prompts, **run_kw)
 
 
 def near_tie_tolerance(dtype: torch.dtype, top_logit: float) -> float:

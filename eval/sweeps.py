@@ -8,6 +8,19 @@ Each point is one `run_benchmark` whose methods include target-only decoding, so
 is measured against a baseline timed in the same interleaved loop. Temperature is swept by
 listing several `temperatures` (every sweep runs at each).
 
+The batch_size sweep also compares adaptive speculation with fixed draft lengths. Its rows, per
+batch size, by `kind`:
+
+    target      target-only decoding
+    fixed       a non-adaptive proposer at each chain length of `fixed_gammas` ("ngram@gamma=3")
+    proposer    a non-adaptive proposer at its default length (when no fixed_gammas are given)
+    best_fixed  derived: the fastest fixed length of that proposer at that batch size, chosen in
+                hindsight ("ngram@best")
+    adaptive    adaptive / hybrid proposers, with chosen_lengths and the margin against the best
+                fixed length of their parts (tokens/s relative difference)
+    oracle      derived (T = 0, oracle on): the hindsight bound along the adaptive method's own
+                steps, in measured units (oracle.py); not a measurement
+
 Deliberately not here: plotting (report.py), choosing the best setting for the user.
 """
 
@@ -18,7 +31,7 @@ from dataclasses import replace
 from drafttrain.eval.metrics import summarize
 from drafttrain.eval.runner import Method, run_benchmark
 
-__all__ = ["run_sweep"]
+__all__ = ["run_sweep", "part_specs"]
 
 
 def _point(summary: dict, base: dict) -> dict:
@@ -26,11 +39,31 @@ def _point(summary: dict, base: dict) -> dict:
            "speedup_vs_target": base["wall_s"] / summary["wall_s"] if summary["wall_s"] > 0 else 0.0}
     if "tau" in summary:
         row.update(tau=summary["tau"], acceptance=summary["acceptance"])
+    for k in ("chosen_lengths", "chosen_parts"):
+        if k in summary:
+            row[k] = summary[k]
+    if len(summary["per_category"]) > 1:
+        row["per_category"] = {}
+        for cat, v in summary["per_category"].items():
+            b = base["per_category"].get(cat, {})
+            row["per_category"][cat] = {"tokens_per_s": v["tokens_per_s"],
+                                        "speedup_vs_target": b.get("wall_s", 0.0) / v["wall_s"] if v["wall_s"] > 0 else 0.0,
+                                        **({"tau": v["tau"]} if "tau" in v else {})}
     return row
 
 
+def part_specs(name: str) -> list[str]:
+    """The proposer specs an adaptive / hybrid spec is built from: "adaptive:ngram" -> ["ngram"],
+    "hybrid:ngram+runs/x" -> ["ngram", "runs/x"]; a plain spec -> [itself]."""
+    for prefix in ("adaptive:", "hybrid:", "adaptive-hybrid:"):
+        if name.startswith(prefix):
+            return [p for part in name[len(prefix):].split("+") for p in part_specs(part)]
+    return [name]
+
+
 def run_sweep(kind: str, target, methods: list[Method], prompts: list[list[int]], categories: list[str], *,
-              values: list[int], tree_setting, **run_kw) -> list[dict]:
+              values: list[int], tree_setting, fixed_gammas: list[int] | None = None, oracle=None,
+              **run_kw) -> list[dict]:
     """Runs one sweep; returns rows {method, <kind>: value, tokens_per_s, speedup_vs_target, tau?}.
 
     Args:
@@ -38,17 +71,18 @@ def run_sweep(kind: str, target, methods: list[Method], prompts: list[list[int]]
         methods: engine methods to sweep (target-only is added; HF baselines are not swept).
         values: the setting's values.
         tree_setting: callable budget -> tree argument (for tree_budget).
+        fixed_gammas: batch_size sweep: chain lengths every non-adaptive proposer runs at.
+        oracle: batch_size sweep: callable (adaptive Method, batch size, its summary) -> oracle dict
+            or None (the harness re-runs the method untimed with step logs); adds an `oracle` row
+            per adaptive method whose dict is applicable.
         **run_kw: forwarded to run_benchmark (max_new_tokens, temperature, eos, ...).
     """
     target_m = Method("target", "engine")
     swept = [m for m in methods if m.kind == "engine" and m.proposer is not None]
-    rows: list[dict] = []
     if kind == "batch_size":
-        for b in values:
-            calls = run_benchmark(target, [target_m, *swept], prompts, batch_size=b, **run_kw)
-            sums = {k: summarize(v, prompts, categories) for k, v in calls.items()}
-            rows += [{"method": k, "batch_size": b, **_point(s, sums["target"])} for k, s in sums.items()]
-        return rows
+        return _batch_sweep(target, target_m, swept, prompts, categories, values, fixed_gammas or [], oracle,
+                            run_kw)
+    rows: list[dict] = []
     variants = []
     for m in swept:
         for v in values:
@@ -60,3 +94,57 @@ def run_sweep(kind: str, target, methods: list[Method], prompts: list[list[int]]
     for name, v, m in variants:
         rows.append({"method": name, kind: v, **_point(summarize(calls[m.name], prompts, categories), base)})
     return rows
+
+
+def _batch_sweep(target, target_m: Method, swept: list[Method], prompts, categories, values, fixed_gammas, oracle,
+                 run_kw) -> list[dict]:
+    run_kw.pop("batch_size", None)
+    variants: list[tuple[Method, dict]] = []  # (method to run, row fields)
+    for m in swept:
+        if m.adaptive:
+            variants.append((m, {"kind": "adaptive"}))
+        elif fixed_gammas:
+            variants += [(replace(m, name=f"{m.name}@gamma={g}", gamma=g), {"kind": "fixed", "proposer": m.name,
+                                                                           "gamma": g}) for g in fixed_gammas]
+        else:
+            variants.append((m, {"kind": "proposer"}))
+    rows: list[dict] = []
+    for b in values:
+        calls = run_benchmark(target, [target_m, *(v[0] for v in variants)], prompts, batch_size=b, **run_kw)
+        sums = {k: summarize(v, prompts, categories) for k, v in calls.items()}
+        base = sums["target"]
+        point = [{"method": "target", "batch_size": b, "kind": "target", **_point(base, base)}]
+        point += [{"method": m.name, "batch_size": b, **extra, **_point(sums[m.name], base)} for m, extra in variants]
+        best = _best_fixed(point, b)
+        for r in point:
+            if r["kind"] != "adaptive":
+                continue
+            parts = [best[p] for p in part_specs(r["method"]) if p in best] or list(best.values())
+            if parts:
+                top = max(parts, key=lambda x: x["tokens_per_s"])
+                r.update(best_fixed=f"{top['proposer']}@gamma={top['gamma']}", best_fixed_tokens_per_s=top["tokens_per_s"],
+                         margin_vs_best_fixed=r["tokens_per_s"] / top["tokens_per_s"] - 1.0
+                         if top["tokens_per_s"] > 0 else 0.0)
+        rows += point + list(best.values())
+        if oracle is not None:
+            rows += [_oracle_row(r, oracle(m, b, sums[m.name]), base, b)
+                     for (m, _), r in zip(variants, point[1:]) if r["kind"] == "adaptive"]
+    return [r for r in rows if r is not None]
+
+
+def _best_fixed(point: list[dict], b: int) -> dict[str, dict]:
+    """proposer -> its fastest fixed-length row at this batch size, as a `best_fixed` row."""
+    best: dict[str, dict] = {}
+    for r in point:
+        if r["kind"] == "fixed" and (r["proposer"] not in best or r["tokens_per_s"] > best[r["proposer"]]["tokens_per_s"]):
+            best[r["proposer"]] = r
+    return {p: {**r, "method": f"{p}@best", "kind": "best_fixed", "batch_size": b} for p, r in best.items()}
+
+
+def _oracle_row(adaptive: dict, res: dict | None, base: dict, b: int) -> dict | None:
+    if not res or not res.get("applicable"):
+        return None
+    tps = res["tokens_per_s_oracle"]
+    return {"method": f"oracle[{adaptive['method']}]", "batch_size": b, "kind": "oracle", "of": adaptive["method"],
+            "tokens_per_s": tps, "speedup_vs_target": tps / base["tokens_per_s"] if base["tokens_per_s"] > 0 else 0.0,
+            "tau": res["tau_oracle"], "oracle": res}

@@ -38,7 +38,7 @@ def report(model_dirs, tmp_path_factory):
 
 def test_report_schema(report):
     out, res = report
-    assert res["schema_version"] == 1 and "bonus token included" in res["tau_convention"]
+    assert res["schema_version"] == 2 and "bonus token included" in res["tau_convention"]
     assert res["benchmark"]["num_prompts"] == 3 and res["benchmark"]["categories"] == {"a": 2, "b": 1}
     assert [r["temperature"] for r in res["runs"]] == [0.0, 1.0]
     for run in res["runs"]:
@@ -79,7 +79,8 @@ def test_sweeps_and_plots_written(report):
     assert {r["temperature"] for r in res["sweeps"]["gamma"]} == {0.0, 1.0}
     plots = set(res["files"]["plots"])
     assert plots == {"acceptance_per_position.png", "tau_distribution.png", "speedup_vs_gamma.png",
-                     "speedup_vs_tree_budget.png", "throughput_vs_batch_size.png"}
+                     "speedup_vs_tree_budget.png", "throughput_vs_batch_size.png",
+                     "speedup_vs_batch_size.png"}
     for p in plots:
         assert (out / p).read_bytes()[:4] == b"\x89PNG"
 
