@@ -10,7 +10,7 @@ answers two questions for adaptive speculation (adaptive.py) and the evaluation'
 Layout:
     CostModel            the measured grid + per-proposer costs + meta (who, where, when); save / load
     measure_cost_model   times `kv.target_forward` on a filled KV cache and each proposer's steps
-    load_or_measure      the cache (~/.cache/drafttrain/costs), re-measuring only what is missing
+    load_or_measure      the cache ($DRAFTTRAIN_CACHE/costs, default ~/.cache/drafttrain/costs), re-measuring only what is missing
     proposer_key         the name a proposer's cost is filed under ("eagle", "early-exit:2", ...)
 
 Interpolation: bilinear inside the grid, after the grid is made non-decreasing in both axes
@@ -23,7 +23,7 @@ How a draft step is timed: the proposer runs `speculative_generate` on random pr
 the first call excluded (it catches up on the whole prompt), divided by gamma, median over the
 calls. It includes the drafter's catch-up on the accepted tokens, as in real decoding.
 
-Deliberately not here: choosing lengths (adaptive.py), plotting and the CLI (drafttrain/profile.py),
+Deliberately not here: choosing lengths (adaptive.py), plotting and the CLI (drafttrain/profiling.py),
 memory or power models.
 """
 
@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import platform
 import statistics
 import time
@@ -44,11 +45,17 @@ from torch import nn
 from drafttrain.decode.proposers.base import Proposer
 
 __all__ = ["CostModel", "measure_cost_model", "load_or_measure", "proposer_key", "FREE_PROPOSERS",
-           "DEFAULT_CACHE_DIR"]
+           "DEFAULT_CACHE_DIR", "default_cache_dir"]
 
 #: proposers whose draft step costs ~nothing unless measured (host-side lookups).
 FREE_PROPOSERS = ("ngram",)
 DEFAULT_CACHE_DIR = "~/.cache/drafttrain/costs"
+
+
+def default_cache_dir() -> Path:
+    """``$DRAFTTRAIN_CACHE/costs`` if set (as for targets and data), else ``~/.cache/drafttrain/costs``."""
+    root = os.environ.get("DRAFTTRAIN_CACHE")
+    return Path(root) / "costs" if root else Path(DEFAULT_CACHE_DIR).expanduser()
 _VERSION = 1
 
 
@@ -377,7 +384,7 @@ def measure_cost_model(target: nn.Module, proposers: dict | None = None, *, batc
 
 
 def load_or_measure(target: nn.Module, proposers: dict | None = None, *,
-                    cache_dir: str | Path = DEFAULT_CACHE_DIR, refresh: bool = False, progress: bool = True,
+                    cache_dir: str | Path | None = None, refresh: bool = False, progress: bool = True,
                     **kw) -> CostModel:
     """The cached cost model of this target on this machine, measuring what is missing.
 
@@ -389,7 +396,7 @@ def load_or_measure(target: nn.Module, proposers: dict | None = None, *,
     Args:
         target: the target model.
         proposers: {cost key: Proposer} (see `proposer_key`).
-        cache_dir: where the JSON files live.
+        cache_dir: where the JSON files live (None: `default_cache_dir()`).
         refresh: re-measure everything.
         progress: progress bar.
         **kw: `measure_cost_model` settings (batch_sizes, tokens, context, repeats).
@@ -399,7 +406,7 @@ def load_or_measure(target: nn.Module, proposers: dict | None = None, *,
     """
     proposers = dict(proposers or {})
     ident = _identity(target)
-    path = _cache_file(ident, cache_dir)
+    path = _cache_file(ident, cache_dir or default_cache_dir())
     cm = None
     if path.is_file() and not refresh:
         try:

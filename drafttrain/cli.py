@@ -131,13 +131,13 @@ def _eval_help() -> str:
 
 def cmd_profile(argv: list[str]) -> None:
     from drafttrain.config import parse_args
-    from drafttrain.profile import ProfileConfig, run_profile
+    from drafttrain.profiling import ProfileConfig, run_profile
 
     run_profile(parse_args(argv, ProfileConfig))
 
 
 def _profile_help() -> str:
-    from drafttrain.profile import help_text
+    from drafttrain.profiling import help_text
 
     return help_text()
 

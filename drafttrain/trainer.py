@@ -534,10 +534,12 @@ def cpu_threads(threads: int, device: torch.device) -> int:
     """Sets torch's CPU threads; returns the number set (0 = left alone, e.g. on GPUs).
 
     `accelerate launch` exports OMP_NUM_THREADS=1 unless told otherwise, which leaves all but one
-    core idle in a single-process CPU run. `threads=0` (auto) gives each process its share of the
-    machine's cores instead; an explicit `threads=N` wins everywhere.
+    core idle in a single-process CPU run. `threads=0` (auto) gives each process of such a launch
+    its share of the machine's cores instead; other runs (plain `python`, which already uses every
+    core, or GPUs) are left alone. An explicit `threads=N` wins everywhere.
     """
-    if threads <= 0 and torch.device(device).type != "cpu":
+    launched = "ACCELERATE_DYNAMO_BACKEND" in os.environ and os.environ.get("OMP_NUM_THREADS") == "1"
+    if threads <= 0 and (torch.device(device).type != "cpu" or not launched):
         return 0
     if threads <= 0:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)

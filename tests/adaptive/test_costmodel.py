@@ -7,6 +7,7 @@ Tiny target: hidden 64, 4 layers, vocab 263 (real: Gemma 3 270M, 640 / 18 / 2621
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -96,3 +97,12 @@ def test_profile_writes_the_cache_and_the_plot(tmp_path, capsys):
     assert set(cm.verify_ms) == {(1, 1), (1, 2), (2, 1), (2, 2)} and set(cm.draft_ms) == {"ngram", "early-exit:2"}
     assert "verify ms" in out and "early-exit:2" in out
     assert main(["profile", f"target={root}/target", "batch_sizes=0"]) == 2  # one-line error, no traceback
+
+
+def test_cost_model_cache_follows_drafttrain_cache(monkeypatch, tmp_path):
+    from drafttrain.decode.costmodel import default_cache_dir
+
+    monkeypatch.setenv("DRAFTTRAIN_CACHE", str(tmp_path))
+    assert default_cache_dir() == tmp_path / "costs"
+    monkeypatch.delenv("DRAFTTRAIN_CACHE")
+    assert default_cache_dir() == Path("~/.cache/drafttrain/costs").expanduser()

@@ -77,3 +77,19 @@ def test_print_config(capsys):
     assert main(["train", "recipe=eagle", "print_config=true", "train.lr=0.5"]) == 0
     out = capsys.readouterr().out
     assert "lr: 0.5" in out and "method: eagle3" in out
+
+
+def test_train_script_runs_as_a_script_and_shadows_no_stdlib_module():
+    """`accelerate launch drafttrain/train.py` puts drafttrain/ first on sys.path: a module there
+    named like a standard-library one (it happened with profile.py) broke every launch."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pkg = Path(__file__).resolve().parents[2] / "drafttrain"
+    clashes = sorted(p.stem for p in pkg.glob("*.py") if p.stem in sys.stdlib_module_names)
+    assert not clashes, f"drafttrain/{clashes[0]}.py shadows the standard library when train.py runs as a script"
+    out = subprocess.run([sys.executable, str(pkg / "train.py"), "--help"], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "recipe" in out.stdout

@@ -196,6 +196,10 @@ def test_cpu_threads_use_the_machine_not_accelerates_one(monkeypatch):
     before = torch.get_num_threads()
     cores = len(os.sched_getaffinity(0))
     try:
+        monkeypatch.delenv("ACCELERATE_DYNAMO_BACKEND", raising=False)
+        torch.set_num_threads(1)
+        assert cpu_threads(0, torch.device("cpu")) == 0 and torch.get_num_threads() == 1  # not launched: left alone
+        monkeypatch.setenv("ACCELERATE_DYNAMO_BACKEND", "NO")  # what `accelerate launch` exports
         monkeypatch.setenv("OMP_NUM_THREADS", "1")
         monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
         assert cpu_threads(0, torch.device("cpu")) == cores == torch.get_num_threads()

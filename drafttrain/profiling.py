@@ -32,7 +32,7 @@ class ProfileConfig:
     repeats: int = field_(3, help="timed calls per point (median), after one warm-up")
     threads: int = field_(0, help="torch threads; 0 = leave as is (part of the cache key)")
     output: str = field_("runs/profile/cost_model.png", help="PNG plot path (the JSON goes to cache_dir; a copy beside the PNG)")
-    cache_dir: str = field_("~/.cache/drafttrain/costs", help="cost model cache folder")
+    cache_dir: str = field_("", help="cost model cache folder; '' = $DRAFTTRAIN_CACHE/costs or ~/.cache/drafttrain/costs")
     refresh: bool = field_(False, help="re-measure even when the cache has it")
     progress: bool = field_(True, help="show a progress bar with ETA")
 
@@ -99,7 +99,7 @@ def run_profile(cfg: ProfileConfig):
         except (ValueError, OSError) as e:
             raise ConfigError(f"proposer {spec!r}: {str(e).splitlines()[0]}") from None
         proposers[proposer_key(p)] = p
-    cm = load_or_measure(target, proposers, cache_dir=cfg.cache_dir, refresh=cfg.refresh, progress=cfg.progress,
+    cm = load_or_measure(target, proposers, cache_dir=cfg.cache_dir or None, refresh=cfg.refresh, progress=cfg.progress,
                          batch_sizes=cfg.batch_sizes, tokens=cfg.tokens, context=cfg.context, repeats=cfg.repeats)
     print(cm.table())
     png = plot_cost_model(cm, cfg.output)
