@@ -179,7 +179,8 @@ class CostModel:
 
     def table(self) -> str:
         """A plain-text table: verify ms (batch x tokens per row), then draft ms per step."""
-        width = max(7, *(len(str(t)) + 2 for t in self._tokens))
+        cells = [f"{v:.2f}" for v in self.verify_ms.values()] + [str(t) for t in self._tokens]
+        width = max(7, *(len(c) + 2 for c in cells))  # always a space between columns
         head = "verify ms  batch \\ tokens" + "".join(f"{t:>{width}}" for t in self._tokens)
         lines = [head]
         for b in self._batches:
