@@ -251,7 +251,7 @@ def run_eval(cfg: EvalConfig) -> dict:
                      "oracle": oracle if cfg.oracle and temp == 0 else None} if kind == "batch_size" else {}
             rows = run_sweep(kind, target, methods, sweep_prompts, categories, values=values[kind],
                              tree_setting=cfg.tree_setting, temperature=temp, seed=cfg.seed, tree=cfg.tree_setting(),
-                             **extra, **kw)
+                             progress=cfg.progress, **extra, **kw)
             sweeps.setdefault(kind, []).extend({"temperature": temp, **r} for r in rows)
 
     results = {

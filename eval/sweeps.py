@@ -63,7 +63,7 @@ def part_specs(name: str) -> list[str]:
 
 def run_sweep(kind: str, target, methods: list[Method], prompts: list[list[int]], categories: list[str], *,
               values: list[int], tree_setting, fixed_gammas: list[int] | None = None, oracle=None,
-              **run_kw) -> list[dict]:
+              progress: bool = False, **run_kw) -> list[dict]:
     """Runs one sweep; returns rows {method, <kind>: value, tokens_per_s, speedup_vs_target, tau?}.
 
     Args:
@@ -75,13 +75,34 @@ def run_sweep(kind: str, target, methods: list[Method], prompts: list[list[int]]
         oracle: batch_size sweep: callable (adaptive Method, batch size, its summary) -> oracle dict
             or None (the harness re-runs the method untimed with step logs); adds an `oracle` row
             per adaptive method whose dict is applicable.
+        progress: show a progress bar with ETA (one tick per generate call).
         **run_kw: forwarded to run_benchmark (max_new_tokens, temperature, eos, ...).
     """
+    from tqdm.auto import tqdm
+
     target_m = Method("target", "engine")
     swept = [m for m in methods if m.kind == "engine" and m.proposer is not None]
+    n = len(prompts)
     if kind == "batch_size":
-        return _batch_sweep(target, target_m, swept, prompts, categories, values, fixed_gammas or [], oracle,
-                            run_kw)
+        per_method = 1 + sum(len(fixed_gammas or [1]) if not m.adaptive else 1 for m in swept)
+        total = sum(-(-n // b) for b in values) * per_method
+    else:
+        total = n * (1 + len(swept) * len(values))
+    temp = run_kw.get("temperature")
+    bar = tqdm(total=total, desc=f"sweep {kind}" + (f" T={temp:g}" if temp is not None else ""), unit="call",
+               disable=not progress)
+    run_kw["on_call"] = lambda name, call: (bar.set_postfix_str(name, refresh=False), bar.update(1))
+    try:
+        if kind == "batch_size":
+            return _batch_sweep(target, target_m, swept, prompts, categories, values, fixed_gammas or [], oracle,
+                                run_kw)
+        return _value_sweep(kind, target, target_m, swept, prompts, categories, values, tree_setting, run_kw)
+    finally:
+        bar.close()
+
+
+def _value_sweep(kind: str, target, target_m: Method, swept: list[Method], prompts, categories, values,
+                 tree_setting, run_kw) -> list[dict]:
     rows: list[dict] = []
     variants = []
     for m in swept:
