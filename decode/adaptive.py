@@ -5,6 +5,8 @@ Each step, for each proposer ("part"; one for AdaptiveProposer, several for Hybr
     plan    from the calibrator's per-depth acceptance estimates (past steps only) and the cost
             model, the chain length L that maximises expected tokens per ms; L = 0: the part is
             not run at all (no drafting cost)
+    skip    (hybrid with a cost model) parts run cheapest first; a part runs only if the rows it
+            could win (expected over the best tree of the cheaper parts) repay its drafting ms
     draft   the part drafts a chain of L (state.gamma = L), or its tree (trees: on / off only)
     choose  (hybrid) per row, the part whose tree has the highest expected accepted length
     trim    per row, drop drafts whose calibrated acceptance does not pay for their share of the
@@ -18,7 +20,8 @@ proposers/hybrid.py and is the same loop over several parts.
 Why the output stays exactly the target's (non-anticipation). Whether draft k is verified may
 depend only on what is known before draft k is drawn (DSpark, appendix A: a scheduler that looks
 at the drafted token itself turns p = (0.7, 0.3) into (0.85, 0.15)). So:
-  * L and the part set come from past outcomes only;
+  * L and the part set come from past outcomes and earlier parts' scores (themselves known
+    before their drafts were drawn) only;
   * a node's confidence is known before its token is drawn (the drafter's top probability, not
     q(x) of the sampled x, see tree.py);
   * sampled chains (draft_probs given) are trimmed by a stopping rule: draft k is kept iff every
@@ -105,6 +108,12 @@ class AcceptanceCalibrator:
         """Forgets the per-row evidence (a new generate call with `batch` rows)."""
         self.row_n = torch.zeros(batch, self.max_depth, dtype=torch.float64)
         self.row_a = torch.zeros(batch, self.max_depth, dtype=torch.float64)
+
+    def select_rows(self, idx: Tensor) -> None:
+        """Keeps the per-row evidence of batch rows `idx` only (finished rows left the batch)."""
+        if self.row_n.shape[0]:
+            i = idx.cpu()
+            self.row_n, self.row_a = self.row_n[i], self.row_a[i]
 
     # ---- estimates ------------------------------------------------------------------------------
     def _marginal(self) -> Tensor:
@@ -219,7 +228,9 @@ def choose_length(exp_tokens: Tensor, batch: int, cost_model: CostModel, draft_n
 
     Args:
         exp_tokens: [B, L + 1] expected tokens per row per length (`expected_tokens`).
-        batch: rows in the target's forward (the engine keeps finished rows in the batch).
+        batch: rows in the target's forward: the active rows (the engine drops finished rows
+            from the batch; with `compact=False`, or a proposer that cannot compact, finished
+            rows stay and count here).
         cost_model: a CostModel (or anything with verify_time / draft_time in ms).
         draft_name: the proposer's cost key (None: drafting is free).
         active: [B] bool rows still generating (inactive rows get 0 and count for nothing).
@@ -388,13 +399,15 @@ class Scheduler(Proposer):
             is the cap instead).
         gamma: non-adaptive chain length (default: the caller's gamma, else each part's default).
         free_extension: see `trim_tree`.
+        explore_every: with several parts and a cost model, a part the skip rule kept out this
+            many steps in a row drafts once anyway (see `_worth_running`); 0 turns the rule off.
     """
 
     name = "scheduler"
 
     def __init__(self, parts: list[Proposer], *, cost_model: CostModel | None = None, calibrator=None,
                  adaptive: bool = True, max_gamma: int = 8, gamma: int | None = None,
-                 free_extension: bool = True):
+                 free_extension: bool = True, explore_every: int = 32):
         if not parts:
             raise ValueError("need at least one part")
         inner, cals = [], {}
@@ -422,7 +435,8 @@ class Scheduler(Proposer):
                 cal = cals.get(id(p)) or AcceptanceCalibrator()
             self.calibrators[n] = cal
         self.cost_model, self.adaptive, self.max_gamma, self.gamma = cost_model, adaptive, max_gamma, gamma
-        self.free_extension = free_extension
+        self.free_extension, self.explore_every = free_extension, explore_every
+        self._skipped = [0] * len(inner)  # per part: steps skipped in a row by the skip rule
         self.needs_hidden_states = tuple(sorted({i for p in inner for i in p.needs_hidden_states}))
         self.default_gamma = gamma or max_gamma
 
@@ -439,29 +453,35 @@ class Scheduler(Proposer):
         active = state.active.clone()
         log = bool((state.options or {}).get("log_steps"))
         plans = [self._plan(state, p, n) for p, n in zip(self.parts, self.names)]  # (length, rate, ms)
-        trees, used, proposals = [], [], {}
-        for (length, _, _), p, n in zip(plans, self.parts, self.names):
+        P = len(self.parts)
+        trees: list[DraftTree | None] = [None] * P
+        p_nodes: list[Tensor | None] = [None] * P
+        used, draft_ms, proposals = [False] * P, [0.0] * P, {}
+        for i in self._order(state):  # cheap parts first: their proposals inform the skip rule
+            p, n, (length, _, _) = self.parts[i], self.names[i], plans[i]
             cap = self._cap(state, p)
-            if length == 0 and not log:
-                trees.append(root_only(state.root))
-                used.append(False)
-                continue
-            tree = self._run(state, p, cap if log else length)
-            if log:
-                proposals[n] = [c[:cap] for c in _first_child_path(tree)]
-                if length == 0:
-                    tree = root_only(state.root)
-                elif state.tree is None and length < cap:
-                    tree = _prefix(tree, length)  # as if `length` had been drafted
-            trees.append(tree)
-            used.append(length > 0)
-        p_nodes = [self.calibrators[n].prob(t.confidence, t.depths()) for t, n in zip(trees, self.names)]
+            run = length > 0 and self._worth_running(state, i, length, trees, p_nodes, draft_ms)
+            if length > 0 and self._skippable():
+                self._skipped[i] = 0 if run else self._skipped[i] + 1
+            if not run and not log:
+                tree = root_only(state.root)
+            else:
+                tree = self._run(state, p, cap if log else length)
+                if log:  # every part drafts in full for the step log; the choice is as without it
+                    proposals[n] = [c[:cap] for c in _first_child_path(tree)]
+                    if not run:
+                        tree = root_only(state.root)
+                    elif state.tree is None and length < cap:
+                        tree = _prefix(tree, length)  # as if `length` had been drafted
+            trees[i], used[i] = tree, run
+            p_nodes[i] = self.calibrators[n].prob(tree.confidence, tree.depths())
+            draft_ms[i] = self._draft_ms(state, i, length) if run else 0.0
         choice = self._pick(state, self._scores(state, trees, p_nodes))  # [B] part index
         merged, p_merged = self._merge(trees, p_nodes, choice)
         kept_ids = None
         verified = merged
         if self.adaptive and merged.size > 1:
-            sunk = sum(ms for length, _, ms in plans if length > 0)
+            sunk = sum(draft_ms)
             rate = max(r for _, r, _ in plans)
             keep = trim_tree(merged, p_merged, batch=B, active=active, cost_model=self.cost_model,
                              sunk_ms=sunk, rate=rate, free_extension=self.free_extension)
@@ -469,8 +489,65 @@ class Scheduler(Proposer):
             if not bool((same | ~active[:, None]).all()):
                 verified, kept_ids = _compact(merged, keep)
         self._last = dict(active=active, choice=choice, used=used, merged=merged, kept_ids=kept_ids,
-                          pos=state.root_pos.tolist(), proposals=proposals if log else None)
+                          pos=state.root_pos.tolist(), proposals=proposals if log else None,
+                          draft_ms=sum(draft_ms), batch=B)
         return verified
+
+    # ---- the skip rule ----------------------------------------------------------------------------
+    def _skippable(self) -> bool:
+        """The skip rule needs several parts and a cost model."""
+        return len(self.parts) > 1 and self.cost_model is not None
+
+    def _draft_ms(self, state: DecodeState, i: int, length: int) -> float:
+        """Modelled drafting ms of part i at the planned `length` (trees: the whole tree)."""
+        if self.cost_model is None or length == 0:
+            return 0.0
+        B, spec, name = state.root.shape[0], state.tree, proposer_key(self.parts[i])
+        if spec is None:
+            return length * self.cost_model.draft_time(name, B)
+        top_k = spec.top_k if isinstance(spec, DynamicTree) else max(len(lv) for lv in spec.levels())
+        return spec.depth * self.cost_model.draft_time(name, B * top_k)
+
+    def _order(self, state: DecodeState) -> list[int]:
+        """Part indices by modelled draft-step cost, cheapest first (ties: the given order)."""
+        if not self._skippable():
+            return list(range(len(self.parts)))
+        B = state.root.shape[0]
+        return sorted(range(len(self.parts)), key=lambda i: (self.cost_model.draft_time(proposer_key(self.parts[i]), B), i))
+
+    def _worth_running(self, state: DecodeState, i: int, length: int, trees: list, p_nodes: list,
+                       draft_ms: list[float]) -> bool:
+        """Whether part i should draft this step, decided before it drafts (the skip rule).
+
+        Rows gain max(0, E_i - best) expected accepted tokens, where E_i is part i's calibrated
+        prior for its planned length (past steps only) and best the score of the best tree the
+        cheaper parts already drafted (free signals such as n-gram's match length). Part i runs
+        iff that gain raises the step's expected tokens per modelled ms, counting its drafting
+        ms and any wider verification. Exploration: a part skipped `explore_every` steps in a
+        row runs once (besides the calibrator's decay drifting its estimate back to the prior).
+        """
+        ran = [j for j, t in enumerate(trees) if t is not None]  # cheaper parts, drafted or skipped
+        if not self._skippable() or not ran or self._skipped[i] >= self.explore_every:
+            return True
+        B, active, spec = state.root.shape[0], state.active.cpu(), state.tree
+        best = self._scores(state, [trees[j] for j in ran], [p_nodes[j] for j in ran]).max(0).values.cpu()
+        cal = self.calibrators[self.names[i]]
+        if spec is None:
+            prior = cal.prior(length, rows=True)
+            if prior.shape[0] != B:
+                prior = cal.prior(length).expand(B, -1)
+            size = 1 + length
+        else:
+            prior = cal.prior(spec.depth).expand(B, -1)
+            size = 1 + (len(spec.choices) if isinstance(spec, StaticTree) else spec.budget)
+        exp = expected_tokens(prior)[:, -1] - 1  # [B] expected accepted drafts
+        gain = float((exp - best).clamp(min=0)[active].sum())
+        tokens = float(active.sum()) + float(best[active].sum())
+        width = max(trees[j].size for j in ran)
+        sunk = sum(draft_ms)
+        t0 = sunk + self.cost_model.verify_time(B, width)
+        t1 = sunk + self._draft_ms(state, i, length) + self.cost_model.verify_time(B, max(width, size))
+        return (tokens + gain) / t1 > tokens / t0
 
     def observe(self, state: DecodeState, tree: DraftTree, result: VerifyResult, hidden: dict[int, Tensor],
                 *, own: Tensor | None = None) -> None:
@@ -486,6 +563,16 @@ class Scheduler(Proposer):
             p.observe(state, last["merged"], full_result, full_hidden, own=rows)
         self._record(state, tree)
         self._step += 1
+
+    def select_rows(self, idx: Tensor) -> bool:
+        if any(type(p).select_rows is Proposer.select_rows for p in self.parts):
+            return False  # a part cannot: change nothing
+        for p in self.parts:
+            if not p.select_rows(idx):
+                raise RuntimeError(f"{type(p).__name__}.select_rows refused after overriding it")
+        for cal in {id(c): c for c in self.calibrators.values()}.values():  # each calibrator once
+            cal.select_rows(idx)
+        return True
 
     # ---- steps ------------------------------------------------------------------------------------
     def _cap(self, state: DecodeState, part: Proposer) -> int:
@@ -505,15 +592,16 @@ class Scheduler(Proposer):
             prior = self.calibrators[name].prior(cap, rows=True)  # [B, cap]
             if prior.shape[0] != B:
                 prior = self.calibrators[name].prior(cap).expand(B, -1)
-            rates = _rates(expected_tokens(prior), B, self.cost_model, name, active)
+            key = proposer_key(part)  # the cost model's key (names get "#i" when keys repeat)
+            rates = _rates(expected_tokens(prior), B, self.cost_model, key, active)
             best = max(range(len(rates)), key=lambda m: (rates[m], -m))
-            return best, rates[best], best * self.cost_model.draft_time(name, B) if best else 0.0
+            return best, rates[best], best * self.cost_model.draft_time(key, B) if best else 0.0
         depth = spec.depth
         size = 1 + (len(spec.choices) if isinstance(spec, StaticTree) else spec.budget)
         exp = expected_tokens(self.calibrators[name].prior(depth).expand(B, -1))[:, -1]  # [B] chain proxy
         tokens = float(exp[active.cpu()].sum())
         top_k = spec.top_k if isinstance(spec, DynamicTree) else max(len(lv) for lv in spec.levels())
-        draft = depth * self.cost_model.draft_time(name, B * top_k)
+        draft = depth * self.cost_model.draft_time(proposer_key(part), B * top_k)
         tree_rate = tokens / (self.cost_model.verify_time(B, size) + draft)
         none_rate = int(active.sum()) / self.cost_model.verify_time(B, 1)
         return (1, tree_rate, draft) if tree_rate > none_rate else (0, none_rate, 0.0)
@@ -589,6 +677,11 @@ class Scheduler(Proposer):
         last = self._last
         drafts = (tree.parents[:, 1:] != -2).sum(1).tolist()
         choice = last["choice"].tolist()
+        ran = [n for n, u in zip(self.names, last["used"]) if u]
+        for n in ran:
+            stats.parts_run[n] = stats.parts_run.get(n, 0) + 1
+        if self.cost_model is not None:
+            stats.modelled_ms += last["draft_ms"] + self.cost_model.verify_time(last["batch"], tree.size)
         log = last["proposals"] is not None
         if log and stats.step_log is None:
             stats.step_log = []
@@ -599,9 +692,11 @@ class Scheduler(Proposer):
             stats.record_choice(drafts[b], part)
             if log:
                 pos = last["pos"][b]
-                stats.step_log.append({"step": self._step, "row": b, "pos": pos,
+                row = b if state.rows is None else state.rows[b]  # the caller's row
+                stats.step_log.append({"step": self._step, "row": row, "pos": pos,
                                        "emitted": len(state.tokens[b]) - 1 - pos, "drafted": drafts[b],
-                                       "part": part, "proposals": {n: c[b] for n, c in last["proposals"].items()}})
+                                       "part": part, "ran": ran,
+                                       "proposals": {n: c[b] for n, c in last["proposals"].items()}})
 
 
 def _expand(result: VerifyResult, hidden: dict[int, Tensor], kept_ids: Tensor, size: int

@@ -9,9 +9,17 @@
 
 Batching: prompts are left-padded; rows accept different numbers of tokens, so the committed
 KV segment has holes (masked out) where a row kept fewer entries than the longest row; every
-row keeps its own positions. Rows finish independently; a finished row stays in the batch
-with an empty tree until all are done. `proposer=None` runs target-only decoding through the
-same loop (a root-only tree), so baselines share every line of code with speculation.
+row keeps its own positions. Rows finish independently; after a step in which rows finished,
+the batch is compacted to the active rows (`KVState.select_rows` + `Proposer.select_rows`: one
+copy of the active rows' KV, at most B - 1 times per call), so later drafts and verifications
+cost what the active rows need; `state.rows` maps batch rows back to the caller's rows
+(outputs, per-row stats, step logs). With `compact=False`, or a proposer whose `select_rows`
+returns False, a finished row stays in the batch with an empty tree until all are done.
+Outputs do not depend on compaction: greedy steps are per-row functions of the prefix, and
+seeded verification draws are keyed by (seed, root position, node); only draft SAMPLING from
+the shared generator (T > 0 with a sampling drafter) sees the batch's shape. `proposer=None`
+runs target-only decoding through the same loop (a root-only tree), so baselines share every
+line of code with speculation.
 
 Deliberately not here: proposers (proposers/), acceptance rules (verify.py), logit processing
 (sampling.py), KV layout (kv.py), benchmarks and reports (bench/, eval/).
@@ -52,6 +60,8 @@ class DecodeState:
         greedy_head: "argmax" (fused LM-head argmax, no logits) or "logits" (the model's own
             forward) for greedy verification.
         stats: the call's DecodeStats (adaptive / hybrid proposers record their choices there).
+        rows: the caller's row (index into input_ids) of each batch row (finished rows leave the
+            batch, see the module docstring).
     """
 
     target: nn.Module
@@ -69,6 +79,7 @@ class DecodeState:
     options: dict | None = None
     greedy_head: str = "argmax"
     stats: DecodeStats | None = None
+    rows: list[int] | None = None
 
 
 @dataclass
@@ -144,9 +155,9 @@ def verify(state: DecodeState, tree: DraftTree, proposer: Proposer | None, seed:
 
 
 def accept(state: DecodeState, tree: DraftTree, result: VerifyResult, out: list[list[int]],
-           max_new_tokens: int, eos: set[int], stats: DecodeStats) -> None:
+           max_new_tokens: int, eos: set[int], stats: DecodeStats, rows: list[int] | None = None) -> None:
     """Emits accepted drafts + next token per row, cut at EOS and at max_new_tokens; keeps the
-    accepted path's KV; moves the root."""
+    accepted path's KV; moves the root. `rows[b]`: the caller's row of batch row b (out, stats)."""
     B = tree.tokens.shape[0]
     tokens = tree.tokens.tolist()
     paths = result.accepted.tolist()
@@ -159,17 +170,18 @@ def accept(state: DecodeState, tree: DraftTree, result: VerifyResult, out: list[
     for b in range(B):
         if not active[b]:
             continue
+        r = b if rows is None else rows[b]
         path = paths[b][: num[b]]
         emitted = [tokens[b][i] for i in path] + [next_tok[b]]
-        room = max_new_tokens - len(out[b])
+        room = max_new_tokens - len(out[r])
         cut = next((j + 1 for j, t in enumerate(emitted) if t in eos), len(emitted))
         emitted = emitted[: min(cut, room)]
-        out[b].extend(emitted)
+        out[r].extend(emitted)
         state.tokens[b].extend(emitted)
         stats.tokens_emitted += len(emitted)
-        stats.per_row_tokens[b] += len(emitted)
-        stats.per_row_forwards[b] += 1
-        if len(out[b]) >= max_new_tokens or (emitted and emitted[-1] in eos):
+        stats.per_row_tokens[r] += len(emitted)
+        stats.per_row_forwards[r] += 1
+        if len(out[r]) >= max_new_tokens or (emitted and emitted[-1] in eos):
             active[b] = False
         keep[b, 0] = 0  # the root's KV ...
         keep[b, 1 : 1 + len(path)] = torch.tensor(path, dtype=torch.long)  # ... and the accepted path's
@@ -180,6 +192,20 @@ def accept(state: DecodeState, tree: DraftTree, result: VerifyResult, out: list[
     state.root_pos = torch.tensor([len(t) - 1 for t in state.tokens], device=state.root.device)
 
 
+def _compact(state: DecodeState, proposer: Proposer | None) -> bool:
+    """Drops finished rows from the batch (state.rows follows); False, changing nothing, when
+    the proposer cannot select rows."""
+    idx = state.active.nonzero()[:, 0]
+    if proposer is not None and not proposer.select_rows(idx):
+        return None
+    state.kv.select_rows(idx)
+    keep = idx.tolist()
+    state.tokens = [state.tokens[i] for i in keep]
+    state.root, state.root_pos, state.active = state.root[idx], state.root_pos[idx], state.active[idx]
+    state.rows = [state.rows[i] for i in keep]
+    return True
+
+
 # ---- public entry point -------------------------------------------------------------------------
 @torch.inference_mode()
 def speculative_generate(target: nn.Module, proposer: Proposer | None, input_ids: Tensor, *,
@@ -187,7 +213,7 @@ def speculative_generate(target: nn.Module, proposer: Proposer | None, input_ids
                          temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                          seed: int | None = None, eos_token_id: int | list[int] | None = None,
                          gamma: int | None = None, tree=None, generator: torch.Generator | None = None,
-                         greedy_head: str = "argmax", **opts) -> GenerateOutput:
+                         greedy_head: str = "argmax", compact: bool = True, **opts) -> GenerateOutput:
     """Lossless speculative decoding of a batch of prompts.
 
     Args:
@@ -208,6 +234,8 @@ def speculative_generate(target: nn.Module, proposer: Proposer | None, input_ids
             `seed` is given).
         greedy_head: "argmax" verifies greedy steps from the fused LM-head argmax (kernels/greedy.py,
             Triton on CUDA) without materialising logits; "logits" uses the model's own forward.
+        compact: drop finished rows from the batch after the step they finish in (default);
+            False keeps them, with empty trees, until every row is done.
         **opts: kept in `state.options` for proposers.
 
     Returns:
@@ -238,6 +266,7 @@ def speculative_generate(target: nn.Module, proposer: Proposer | None, input_ids
     state.stats = stats
     out: list[list[int]] = [[] for _ in range(B)]
 
+    state.rows = list(range(B))
     prefill(state, input_ids, attention_mask, proposer, stats)
     while bool(state.active.any()):
         with stats.timer("draft"):
@@ -245,10 +274,13 @@ def speculative_generate(target: nn.Module, proposer: Proposer | None, input_ids
         with stats.timer("verify"):
             result, hidden = verify(state, tree, proposer, seed)
         with stats.timer("other"):
-            accept(state, tree, result, out, max_new_tokens, eos, stats)
+            accept(state, tree, result, out, max_new_tokens, eos, stats, state.rows)
         if proposer is not None:
             with stats.timer("draft"):
                 proposer.observe(state, tree, result, hidden)
+        if compact and not bool(state.active.all()) and bool(state.active.any()):
+            with stats.timer("other"):  # after a row finished (every kept row is active)
+                compact = _compact(state, proposer)  # False: the proposer cannot, keep the full batch
     return GenerateOutput(out, stats)
 
 

@@ -14,7 +14,8 @@ Cache entries come in two segments:
   * pending: tokens fed since the last commit (a draft tree). `pend_anc` says which pending
     entries each pending entry may see (its tree ancestors and itself).
 `commit(keep)` gathers the kept pending entries per row into the committed segment (rows may
-keep different numbers; shorter rows get holes); `rollback()` drops the pending segment.
+keep different numbers; shorter rows get holes); `rollback()` drops the pending segment;
+`select_rows(idx)` keeps a subset of the batch rows (finished rows leave the batch).
 
 Masks are additive float masks [B, 1, q, kv] (0 = attend, dtype min = blocked), which both
 the eager and SDPA attention paths of transformers v5 accept unchanged when passed as 4D;
@@ -158,6 +159,26 @@ class KVState:
         kept_valid = (keep >= 0) & self.pend_valid.gather(1, k)
         self.valid = torch.cat([self.valid, kept_valid], 1)
         self.pos = torch.cat([self.pos, self.pend_pos.gather(1, k)], 1)
+        self._clear_pending()
+
+    def select_rows(self, idx: Tensor) -> None:
+        """Keeps only batch rows `idx` ([B'] long, in the new order), in the cache and in the
+        bookkeeping; then drops committed columns no kept row uses (e.g. the left padding of
+        longer, finished prompts). Only between steps: nothing may be pending."""
+        if self.pending_len:
+            raise RuntimeError("select_rows with pending entries (commit or roll back first)")
+        idx = idx.to(self.valid.device)
+        for layer in self.cache.layers:
+            if getattr(layer, "is_initialized", False) and layer.keys.shape[-2] > 0:
+                layer.keys, layer.values = layer.keys[idx], layer.values[idx]
+        self.valid, self.pos = self.valid[idx], self.pos[idx]
+        used = self.valid.any(0)  # [Lc]
+        if not bool(used.all()):
+            cols = used.nonzero()[:, 0]
+            for layer in self.cache.layers:
+                if getattr(layer, "is_initialized", False) and layer.keys.shape[-2] > 0:
+                    layer.keys, layer.values = layer.keys[:, :, cols], layer.values[:, :, cols]
+            self.valid, self.pos = self.valid[:, cols], self.pos[:, cols]
         self._clear_pending()
 
     def rollback(self) -> None:

@@ -6,7 +6,7 @@ counted separately and excluded from τ. Acceptance counts come from verificatio
 EOS / max_new_tokens truncation (they measure the drafter, not the stopping rule).
 
 Adaptive and hybrid proposers (adaptive.py, proposers/hybrid.py) also fill `chosen_lengths`,
-`chosen_parts` and, with `speculative_generate(..., log_steps=True)`, `step_log`.
+`chosen_parts`, `parts_run`, `modelled_ms` and, with `speculative_generate(..., log_steps=True)`, `step_log`.
 
 Deliberately not here: aggregation across calls or prompts, plotting, reports (eval/).
 """
@@ -37,9 +37,13 @@ class DecodeStats:
             with L drafts (draft nodes; a chain's length).
         chosen_parts: adaptive / hybrid only: {part name: (row, step) pairs verified with a
             non-empty draft of that part}.
+        parts_run: adaptive / hybrid only: {part name: steps in which the part drafted} (a
+            hybrid's skip rule keeps parts that cannot pay out of a step; see adaptive.py).
+        modelled_ms: adaptive / hybrid with a cost model: the cost model's time of every step
+            (drafting of the parts that ran + verification of the tree), summed.
         step_log: only with `log_steps=True` (adaptive / hybrid): one dict per active row per step,
             {"step", "row", "pos" (root position, prompt included), "emitted" (tokens emitted),
-            "drafted" (drafts verified), "part" (name or None), "proposals" {part name: the
+            "drafted" (drafts verified), "part" (name or None), "ran" (parts that drafted, as without logging), "proposals" {part name: the
             part's full untrimmed draft chain (a tree's first-child path), up to max_gamma}}.
     """
 
@@ -57,6 +61,8 @@ class DecodeStats:
     per_row_forwards: list[int] = field(default_factory=list)
     chosen_lengths: list[int] = field(default_factory=list)
     chosen_parts: dict[str, int] = field(default_factory=dict)
+    parts_run: dict[str, int] = field(default_factory=dict)
+    modelled_ms: float = 0.0
     step_log: list[dict] | None = None
 
     @property

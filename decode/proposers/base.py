@@ -8,6 +8,7 @@ call:
         tree = proposer.propose(state)     # draft
         ... target verifies the tree ...
         proposer.observe(state, tree, result, hidden)   # learn what was accepted
+        proposer.select_rows(idx)          # when rows finished: keep the active ones (optional)
 
 `observe(..., own=mask)`: wrappers (adaptive.py, hybrid.py) also call `observe` for steps whose
 verified tree was not this proposer's last proposal, for some rows or all (`own` [B] bool: rows
@@ -77,6 +78,12 @@ class Proposer:
         Args:
             own: [B] bool, rows whose verified tree is this proposer's last proposal (None = all).
         """
+
+    def select_rows(self, idx: Tensor) -> bool:
+        """Keeps only batch rows `idx` ([B'] long) of the per-row state (finished rows leave the
+        batch; called between steps, after `observe`). Returns False, changing nothing, if the
+        proposer cannot: the engine then keeps every row in the batch (the default)."""
+        return False
 
 
 def accepted_paths(result: VerifyResult) -> list[list[int]]:

@@ -82,6 +82,11 @@ class DraftLMProposer(NodeDrafter):
         self.kv = KVState.for_model(self.model, B, state.root.device)
         self.read = [0] * B  # tokens of state.tokens[b] the draft cache holds
 
+    def select_rows(self, idx: Tensor) -> bool:
+        self.kv.select_rows(idx)
+        self.read = [self.read[i] for i in idx.tolist()]
+        return True
+
     def _begin(self, state, capacity: int) -> tuple[Tensor, int]:
         # catch up: feed tokens[b][read_b:] right-aligned (the root lands in the last column)
         todo = [seq[r:] for seq, r in zip(state.tokens, self.read)]

@@ -71,6 +71,13 @@ class EagleProposer(NodeDrafter):
                 nodes = torch.tensor([0] + path, device=fused.device)
                 self.feats[b].append(fused[b, nodes])
 
+    def select_rows(self, idx: Tensor) -> bool:
+        self.kv.select_rows(idx)
+        rows = idx.tolist()
+        self.read = [self.read[i] for i in rows]
+        self.feats = [self.feats[i] for i in rows]
+        return True
+
     # ---- NodeDrafter hooks ----------------------------------------------------------------------
     def _run(self, ids: Tensor, hidden: Tensor, positions: Tensor, parent_slots: Tensor,
              valid: Tensor | None = None) -> tuple[Tensor, Tensor]:

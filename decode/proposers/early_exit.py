@@ -63,3 +63,6 @@ class EarlyExitProposer(NodeDrafter):
 
     def observe(self, state, tree, result, hidden, *, own=None) -> None:
         pass  # nothing of its own to keep: the target's commit covers layers < K
+
+    def select_rows(self, idx: Tensor) -> bool:
+        return True  # no per-row state: the engine compacts the target's cache

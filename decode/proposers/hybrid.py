@@ -1,9 +1,15 @@
-"""Hybrid proposer: several proposers draft every step; each row verifies the most promising one.
+"""Hybrid proposer: several proposers draft each step; each row verifies the most promising one.
 
-Per step every part proposes for all rows (with a cost model and `adaptive`, only the parts
-whose planned length pays, see decode/adaptive.py); each part's tree gets, per row, an expected
-accepted length from its calibrated node confidences (n-gram: match length; EAGLE / draft LM /
-early exit / Medusa: draft probability), and each row takes the best part's tree. The merged,
+Per step the parts run cheapest first (by the cost model's draft-step time; n-gram is free). With
+a cost model, a part runs only if it can pay (the skip rule, `Scheduler._worth_running` in
+decode/adaptive.py): from its calibrated prior and the scores of the trees the cheaper parts
+already drafted, the rows it could win must repay its drafting ms (and any wider verification)
+in expected tokens per ms; a part kept out `explore_every` steps in a row runs once anyway. A
+skipped part still observes every step (own = no rows). Without a cost model every part runs.
+With `adaptive`, each part's length is also planned (0: not run). Each part's tree gets, per
+row, an expected accepted length from its calibrated node confidences (n-gram: match length;
+EAGLE / draft LM / early exit / Medusa: draft probability), and each row takes the best part's
+tree. The merged,
 padded tree keeps each row's node ids identical to its source tree (padding only appended), so a
 part's bookkeeping of its own drafts stays valid; after verification every part observes, with
 `own` = the rows that verified its tree (the others catch up from the accepted tokens).
@@ -44,16 +50,20 @@ class HybridProposer(Scheduler):
         adaptive: plan lengths, skip parts that cannot pay, trim (default: True iff a cost model
             is given).
         free_extension: see adaptive.trim_tree.
+        explore_every: with a cost model, a part the skip rule kept out this many steps in a row
+            drafts once anyway; 0 turns the skip rule off (every part drafts every step).
     """
 
     name = "hybrid"
 
     def __init__(self, parts: list[Proposer], *, cost_model: CostModel | None = None,
                  calibrator: AcceptanceCalibrator | dict | None = None, gamma: int | None = None,
-                 max_gamma: int = 8, adaptive: bool | None = None, free_extension: bool = True):
+                 max_gamma: int = 8, adaptive: bool | None = None, free_extension: bool = True,
+                 explore_every: int = 32):
         if len(parts) < 2:
             raise ValueError(f"a hybrid needs at least two parts, got {len(parts)}")
         if adaptive is None:
             adaptive = cost_model is not None or any(getattr(p, "adaptive", False) for p in parts)
         super().__init__(parts, cost_model=cost_model, calibrator=calibrator, adaptive=adaptive,
-                         max_gamma=max_gamma, gamma=gamma, free_extension=free_extension)
+                         max_gamma=max_gamma, gamma=gamma, free_extension=free_extension,
+                         explore_every=explore_every)

@@ -79,6 +79,10 @@ class MedusaProposer(NodeDrafter):
         self.state_h = h[torch.arange(h.shape[0], device=h.device), last].float()  # [B, H]
 
     # ---- NodeDrafter hooks --------------------------------------------------------------------------
+    def select_rows(self, idx: Tensor) -> bool:
+        self.state_h = self.state_h[idx.to(self.state_h.device)]
+        return True
+
     def _begin(self, state, capacity: int) -> tuple[Tensor, int]:
         self._logits = self.heads(self.state_h)  # [K, B, Vd]
         self._root_pos = state.root_pos

@@ -94,6 +94,9 @@ class NGramProposer(Proposer):
             rows.append((tokens, parents, [1.0] + [n / self.max_ngram] * (len(tokens) - 1)))
         return pad_trees(rows, state.root.device)
 
+    def select_rows(self, idx: Tensor) -> bool:
+        return True  # no per-row state: it reads state.tokens
+
 
 def _trie(root: int, continuations: list[list[int]]) -> tuple[list[int], list[int]]:
     """Merges continuations into a trie: (tokens, parents), node 0 = root."""
