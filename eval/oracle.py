@@ -24,8 +24,8 @@ equals the final output after the root.
 The bound is computed ALONG THE TRAJECTORY ACTUALLY VISITED: only the root positions this
 method reached are scored, and a chooser that accepted more would have visited other ones.
 It bounds per-step choices over these steps, not decoding in general. At batch > 1 a step
-costs a B-row forward even when some rows have finished (the engine keeps them), in the bound
-as in the run. Proposals are chains (a tree's first-child path), so a tree method's achieved
+costs a forward over its active rows only: the engine drops finished rows from the batch
+(`compact=True`), in the bound as in the run; target-only decoding is costed the same way. Proposals are chains (a tree's first-child path), so a tree method's achieved
 figure can exceed what its logged chain explains. At T > 0 the target's tokens depend on the
 draft, so there is no hindsight: `not_applicable` says so.
 
@@ -232,11 +232,12 @@ def oracle_figures(calls: list[CallSteps], cost: CostModelLike, *, measured_toke
     """
     costs = _Costs(cost)
     parts = sorted({p for c in calls for s in c.steps for r in s.rows for p in r.proposed})
-    flat = [(c.batch, s) for c in calls for s in c.steps if s.rows]
+    flat = [(len(s.rows), s) for c in calls for s in c.steps if s.rows]  # finished rows are dropped
     row_steps = sum(len(s.rows) for _, s in flat)
 
     target_tok = sum(sum(c.lengths) for c in calls)
-    target_ms = sum(costs.verify(c.batch, 1) * max(c.lengths, default=0) for c in calls)
+    target_ms = sum(costs.verify(sum(n > t for n in c.lengths), 1)  # rows still generating at step t
+                    for c in calls for t in range(max(c.lengths, default=0)))
 
     achieved = [(float(sum(r.emitted for r in s.rows)), _step_ms(costs, b, [(r.part, r.drafted) for r in s.rows]))
                 for b, s in flat]
