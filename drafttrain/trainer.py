@@ -597,6 +597,12 @@ def train(cfg: TrainConfig) -> dict:
     log(accelerator, report.summary())
     target = wrap_target_for_method(cfg, target, accelerator)
     drafter, coverage = build_drafter(cfg, target, train_ds, accelerator)
+    if cfg.method == "draft_lm" and cfg.draft_lm.decode_vocab:
+        # decoding evals in training draft from the same head rows as the saved folder will
+        from drafttrain.models.draft_lm import decode_vocab
+
+        drafter.model.drafttrain_decode_vocab = decode_vocab(
+            token_counts(train_ds, drafter.cfg.vocab_size), cfg.draft_lm.decode_vocab)[0]
     spec = FeatureSpec(cfg.method, drafter.cfg.aux_layer_ids)
     n_params = sum(p.numel() for p in drafter.parameters() if p.requires_grad)
     log(accelerator, f"drafttrain: {cfg.method} drafter, {n_params / 1e6:.1f}M trainable params, aux layers "
