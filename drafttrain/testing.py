@@ -180,3 +180,14 @@ def save_tiny_run_root(root, *, family: str = "llama", num_layers: int = 4, n_re
     tok.save_pretrained(root / "target")
     (root / "chat.json").write_text(json.dumps(chat_records(n_records)))
     return root
+
+
+def strong_draft_lm(seed: int = 3, noise: float = 0.002):
+    """A tiny Llama target copy with Gaussian weight noise (std `noise`): as a draft LM of
+    `tiny_target("llama")` its drafts are accepted often, not always (random tiny drafters almost never are)."""
+    model = tiny_target("llama")
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * noise)
+    return model

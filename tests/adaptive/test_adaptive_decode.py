@@ -26,7 +26,7 @@ from drafttrain.decode import (
 from drafttrain.decode.proposers import DraftLMProposer, EagleProposer, NGramProposer, Proposer
 from drafttrain.decode.tree import chain_tree
 from drafttrain.models.eagle import EagleDrafter, config_from_target
-from drafttrain.testing import tiny_target
+from drafttrain.testing import strong_draft_lm, tiny_target
 
 MAX_NEW = 32
 
@@ -52,12 +52,7 @@ def draft_lm(family: str = "llama", vocab_size: int = 257):
 @functools.cache
 def strong_lm():
     """The target with 0.2 % weight noise: accepted often, not always."""
-    model = tiny_target("llama")
-    g = torch.Generator().manual_seed(3)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * 0.002)
-    return model
+    return strong_draft_lm()
 
 
 def reference(model, ids: torch.Tensor, n: int) -> list[int]:

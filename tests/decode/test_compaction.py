@@ -23,7 +23,7 @@ from drafttrain.decode.proposers import (
     Proposer,
 )
 from drafttrain.models.eagle import EagleDrafter, config_from_target
-from drafttrain.testing import tiny_target
+from drafttrain.testing import strong_draft_lm, tiny_target
 
 MAX_NEW = 24
 
@@ -41,13 +41,8 @@ def eagle_drafter() -> EagleDrafter:
 
 @functools.cache
 def strong_lm():
-    """The target with 0.2 % weight noise: its drafts are accepted often, not always."""
-    model = tiny_target("llama")
-    g = torch.Generator().manual_seed(3)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * 0.002)
-    return model
+    """The target with 0.2 % weight noise: accepted often, not always."""
+    return strong_draft_lm()
 
 
 @functools.cache
