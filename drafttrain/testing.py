@@ -191,3 +191,17 @@ def strong_draft_lm(seed: int = 3, noise: float = 0.002):
         for p in model.parameters():
             p.add_(torch.randn(p.shape, generator=g) * noise)
     return model
+
+
+def record_proposals(proposer) -> list[tuple[list[int], list[int]]]:
+    """Wraps `proposer.propose` so each call appends (row 0's tokens so far, row 0's drafts); returns that list."""
+    seen: list[tuple[list[int], list[int]]] = []
+    propose = proposer.propose
+
+    def spy(state):
+        tree = propose(state)
+        seen.append((list(state.tokens[0]), tree.tokens[0, 1:].tolist()))
+        return tree
+
+    proposer.propose = spy
+    return seen

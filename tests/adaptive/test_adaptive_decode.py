@@ -26,7 +26,7 @@ from drafttrain.decode import (
 from drafttrain.decode.proposers import DraftLMProposer, EagleProposer, NGramProposer, Proposer
 from drafttrain.decode.tree import chain_tree
 from drafttrain.models.eagle import EagleDrafter, config_from_target
-from drafttrain.testing import strong_draft_lm, tiny_target
+from drafttrain.testing import record_proposals, strong_draft_lm, tiny_target
 
 MAX_NEW = 32
 
@@ -269,15 +269,7 @@ def test_part_not_chosen_drafts_as_if_fresh(part):
     make_part = {"eagle": lambda: EagleProposer(eagle_drafter()), "draft-lm": lambda: DraftLMProposer(draft_lm()),
                  "medusa": lambda: MedusaProposer(medusa_heads(), model.config.num_hidden_layers)}[part]
     drafter = make_part()
-    seen = []
-    propose = drafter.propose
-
-    def spy(state):
-        tree = propose(state)
-        seen.append((list(state.tokens[0]), tree.tokens[0, 1:].tolist()))
-        return tree
-
-    drafter.propose = spy
+    seen = record_proposals(drafter)
     ids = prompts(1)[0]
     ref = reference(model, ids, 40)
     out = speculative_generate(model, Alternating([Oracle(ids.tolist() + ref), drafter], gamma=3), ids[None],
@@ -312,15 +304,7 @@ def test_parts_catch_up_after_steps_they_sat_out():
     greedy output still equals the target's, and the drafter's later proposals equal fresh ones."""
     model = target()
     drafter = EagleProposer(eagle_drafter())
-    seen = []
-    propose = drafter.propose
-
-    def spy(state):
-        tree = propose(state)
-        seen.append((list(state.tokens[0]), tree.tokens[0, 1:].tolist()))
-        return tree
-
-    drafter.propose = spy
+    seen = record_proposals(drafter)
 
     class SitsOut(AdaptiveProposer):
         def _plan(self, state, part, name):

@@ -17,6 +17,7 @@ from test_adaptive_decode import Oracle, _fresh_proposal, eagle_drafter, left_pa
 from drafttrain.decode import AdaptiveProposer, CostModel, HybridProposer, speculative_generate
 from drafttrain.decode.proposers import EagleProposer, NGramProposer
 from drafttrain.models.eagle import EagleDrafter, config_from_target
+from drafttrain.testing import record_proposals
 
 N_NEW = 48
 
@@ -98,15 +99,7 @@ def test_skipped_eagle_drafts_as_if_fresh():
     (explore_every=2), and each of its proposals equals a fresh EAGLE proposer's on the same prefix."""
     model = target()
     drafter = EagleProposer(eagle_drafter())
-    seen = []
-    propose = drafter.propose
-
-    def spy(state):
-        tree = propose(state)
-        seen.append((list(state.tokens[0]), tree.tokens[0, 1:].tolist()))
-        return tree
-
-    drafter.propose = spy
+    seen = record_proposals(drafter)
     ids = prompts(1)[0]
     ref = reference(model, ids, 60)
     hybrid = HybridProposer([Oracle(ids.tolist() + ref), drafter], cost_model=costly_eagle(), adaptive=False,
