@@ -5,6 +5,8 @@ Each step, for each proposer ("part"; one for AdaptiveProposer, several for Hybr
     plan    from the calibrator's per-depth acceptance estimates (past steps only) and the cost
             model, the chain length L that maximises expected tokens per ms; L = 0: the part is
             not run at all (no drafting cost)
+    probe   a part none of whose drafts was verified for `explore_every` steps drafts >= 1 token
+            and its rows verify their first draft (exploration; past steps decide it)
     skip    (hybrid with a cost model) parts run cheapest first; a part runs only if the rows it
             could win (expected over the best tree of the cheaper parts) repay its drafting ms
     draft   the part drafts a chain of L (state.gamma = L), or its tree (trees: on / off only)
@@ -366,6 +368,21 @@ def _first_child_path(tree: DraftTree) -> list[list[int]]:
     return out
 
 
+def _first_path(tree: DraftTree, depth: int) -> Tensor:
+    """[B, N] bool: the nodes of each row's first-child path down to `depth` (root included)."""
+    B, N = tree.tokens.shape
+    on = torch.zeros(B, N, dtype=torch.bool, device=tree.parents.device)
+    on[:, 0] = True
+    cur = torch.zeros(B, dtype=torch.long, device=on.device)  # last node on the path
+    level = torch.zeros(B, dtype=torch.long, device=on.device)
+    for i in range(1, N):
+        hit = (tree.parents[:, i] == cur) & (level < depth)
+        on[:, i] = hit
+        cur = torch.where(hit, i, cur)
+        level = level + hit.long()
+    return on
+
+
 def _is_chain(tree: DraftTree) -> bool:
     par = tree.parents
     col = torch.arange(par.shape[1], device=par.device)[None]
@@ -399,15 +416,24 @@ class Scheduler(Proposer):
             is the cap instead).
         gamma: non-adaptive chain length (default: the caller's gamma, else each part's default).
         free_extension: see `trim_tree`.
-        explore_every: with several parts and a cost model, a part the skip rule kept out this
-            many steps in a row drafts once anyway (see `_worth_running`); 0 turns the rule off.
+        explore_every: every this many steps a part is probed: it drafts, and the rows that
+            verify its tree keep one draft deeper than its last verified depth whatever the
+            estimate says (so a pessimistic estimate can recover: a cold start's early rejections
+            would otherwise stop drafting for good at high batch, and deeper drafts that are
+            never verified would never be learned again); and with several parts a part
+            the skip rule kept out this many steps in a row runs once (`_worth_running`). 0: plans
+            are never overridden and the skip rule is off (every part whose plan is > 0 drafts).
+        free_draft: a part whose whole chain (the cap) costs at most this fraction of a one-token
+            verification is always drafted in full (n-gram lookup: ~1 %); trimming then decides
+            per row with the drafts' own confidences (match lengths), which say far more than
+            the per-depth estimate the plan has before drafting. 0 turns this off.
     """
 
     name = "scheduler"
 
     def __init__(self, parts: list[Proposer], *, cost_model: CostModel | None = None, calibrator=None,
                  adaptive: bool = True, max_gamma: int = 8, gamma: int | None = None,
-                 free_extension: bool = True, explore_every: int = 32):
+                 free_extension: bool = True, explore_every: int = 32, free_draft: float = 0.05):
         if not parts:
             raise ValueError("need at least one part")
         inner, cals = [], {}
@@ -435,10 +461,18 @@ class Scheduler(Proposer):
                 cal = cals.get(id(p)) or AcceptanceCalibrator()
             self.calibrators[n] = cal
         self.cost_model, self.adaptive, self.max_gamma, self.gamma = cost_model, adaptive, max_gamma, gamma
-        self.free_extension, self.explore_every = free_extension, explore_every
+        self.free_extension, self.explore_every, self.free_draft = free_extension, explore_every, free_draft
         self._skipped = [0] * len(inner)  # per part: steps skipped in a row by the skip rule
+        self._since = dict.fromkeys(self.names, 0)  # per part: steps since its last probe
+        self._reach = dict.fromkeys(self.names, 0)  # per part: deepest draft verified at its last drafted step
         self.needs_hidden_states = tuple(sorted({i for p in inner for i in p.needs_hidden_states}))
         self.default_gamma = gamma or max_gamma
+
+    def reset(self) -> None:
+        """Forgets everything learned (calibrators, probe and skip counters): a cold start."""
+        self.calibrators = {n: c.fresh() for n, c in self.calibrators.items()}
+        self._skipped = [0] * len(self.parts)
+        self._since, self._reach = dict.fromkeys(self.names, 0), dict.fromkeys(self.names, 0)
 
     # ---- engine hooks ---------------------------------------------------------------------------
     def prefill(self, state: DecodeState, hidden: dict[int, Tensor]) -> None:
@@ -457,10 +491,13 @@ class Scheduler(Proposer):
         trees: list[DraftTree | None] = [None] * P
         p_nodes: list[Tensor | None] = [None] * P
         used, draft_ms, proposals = [False] * P, [0.0] * P, {}
+        probes = [self._probe_depth(n, self._cap(state, p)) for p, n in zip(self.parts, self.names)]
         for i in self._order(state):  # cheap parts first: their proposals inform the skip rule
             p, n, (length, _, _) = self.parts[i], self.names[i], plans[i]
             cap = self._cap(state, p)
-            run = length > 0 and self._worth_running(state, i, length, trees, p_nodes, draft_ms)
+            if probes[i]:
+                length = max(length, 1 if state.tree is not None else probes[i])
+            run = length > 0 and (probes[i] > 0 or self._worth_running(state, i, length, trees, p_nodes, draft_ms))
             if length > 0 and self._skippable():
                 self._skipped[i] = 0 if run else self._skipped[i] + 1
             if not run and not log:
@@ -485,6 +522,10 @@ class Scheduler(Proposer):
             rate = max(r for _, r, _ in plans)
             keep = trim_tree(merged, p_merged, batch=B, active=active, cost_model=self.cost_model,
                              sunk_ms=sunk, rate=rate, free_extension=self.free_extension)
+            for i, depth in enumerate(probes):
+                rows = (choice.to(keep.device) == i) & active.to(keep.device)
+                if depth and used[i] and bool(rows.any()):  # the probe's rows keep its first path
+                    keep |= rows[:, None] & _first_path(merged, depth)
             same = keep[:, 1:] == (merged.parents[:, 1:] != -2)
             if not bool((same | ~active[:, None]).all()):
                 verified, kept_ids = _compact(merged, keep)
@@ -557,8 +598,13 @@ class Scheduler(Proposer):
         full_result, full_hidden = result, hidden
         if last["kept_ids"] is not None:  # back to the merged tree's node ids (each part's own ids)
             full_result, full_hidden = _expand(result, hidden, last["kept_ids"], last["merged"].size)
+        depth = tree.depths().max(1).values  # [B] deepest draft each row verified
         for i, (p, n) in enumerate(zip(self.parts, self.names)):
             rows = mine & (choice == i) & last["used"][i]
+            if bool(rows.any()) and int(depth[rows].max()) > 0:
+                self._reach[n] = int(depth[rows].max())
+            elif last["used"][i] and not bool((active & (choice != i)).any()):
+                self._reach[n] = 0  # drafted, every row chose it, nothing verified
             self.calibrators[n].update(tree, result, rows)
             p.observe(state, last["merged"], full_result, full_hidden, own=rows)
         self._record(state, tree)
@@ -582,29 +628,49 @@ class Scheduler(Proposer):
 
     def _plan(self, state: DecodeState, part: Proposer, name: str) -> tuple[int, float, float]:
         """(length to draft, planned tokens per ms, drafting ms); trees: length 1 = draft the tree,
-        0 = do not."""
+        0 = do not. Uses past steps only (the calibrator and the cost model)."""
         cap = self._cap(state, part)
         if not self.adaptive:
             return cap, 0.0, 0.0
         B, active = state.root.shape[0], state.active
-        spec = state.tree
+        spec, key = state.tree, proposer_key(part)  # the cost model's key (names get "#i" when keys repeat)
         if spec is None:
             prior = self.calibrators[name].prior(cap, rows=True)  # [B, cap]
             if prior.shape[0] != B:
                 prior = self.calibrators[name].prior(cap).expand(B, -1)
-            key = proposer_key(part)  # the cost model's key (names get "#i" when keys repeat)
             rates = _rates(expected_tokens(prior), B, self.cost_model, key, active)
             best = max(range(len(rates)), key=lambda m: (rates[m], -m))
-            return best, rates[best], best * self.cost_model.draft_time(key, B) if best else 0.0
+            step_ms = self.cost_model.draft_time(key, B)
+            if self.free_draft and cap * step_ms <= self.free_draft * self.cost_model.verify_time(B, 1):
+                length = cap  # nearly free: draft it all, trim on the drafts' confidences
+            else:
+                length = best
+            return length, rates[best], length * step_ms
         depth = spec.depth
         size = 1 + (len(spec.choices) if isinstance(spec, StaticTree) else spec.budget)
         exp = expected_tokens(self.calibrators[name].prior(depth).expand(B, -1))[:, -1]  # [B] chain proxy
         tokens = float(exp[active.cpu()].sum())
         top_k = spec.top_k if isinstance(spec, DynamicTree) else max(len(lv) for lv in spec.levels())
-        draft = depth * self.cost_model.draft_time(proposer_key(part), B * top_k)
+        draft = depth * self.cost_model.draft_time(key, B * top_k)
         tree_rate = tokens / (self.cost_model.verify_time(B, size) + draft)
         none_rate = int(active.sum()) / self.cost_model.verify_time(B, 1)
         return (1, tree_rate, draft) if tree_rate > none_rate else (0, none_rate, 0.0)
+
+    def _probe_depth(self, name: str, cap: int) -> int:
+        """0, or the depth this step's probe of the part verifies: one deeper than the deepest draft
+        of it verified at its last drafted step (past steps only, so the output stays lossless).
+
+        Without probes a pessimistic estimate is final: no verified drafts, no evidence (at
+        high batch a cold start's early rejections stopped drafting for good), and a depth that
+        is never verified is never learned. A probe costs one token of wider verification per
+        `explore_every` steps."""
+        if not (self.adaptive and self.explore_every):
+            return 0
+        self._since[name] += 1
+        if self._since[name] < self.explore_every:
+            return 0
+        self._since[name] = 0
+        return min(cap, self._reach[name] + 1)
 
     def _run(self, state: DecodeState, part: Proposer, length: int) -> DraftTree:
         """The part's proposal with state.gamma = length (the caller's settings restored after)."""
@@ -724,14 +790,17 @@ class AdaptiveProposer(Scheduler):
         max_gamma: longest chain considered (the caller's gamma, when given, is the cap).
         calibrator: an AcceptanceCalibrator (default: a fresh one).
         free_extension: see `trim_tree`.
+        explore_every, free_draft: see Scheduler.
     """
 
     name = "adaptive"
 
     def __init__(self, inner: Proposer, cost_model: CostModel, *, max_gamma: int = 8,
-                 calibrator: AcceptanceCalibrator | None = None, free_extension: bool = True):
+                 calibrator: AcceptanceCalibrator | None = None, free_extension: bool = True,
+                 explore_every: int = 32, free_draft: float = 0.05):
         if isinstance(inner, Scheduler):
             raise ValueError("wrap the parts instead: HybridProposer(parts, cost_model=...) is the adaptive hybrid")
         super().__init__([inner], cost_model=cost_model, calibrator=calibrator, adaptive=True,
-                         max_gamma=max_gamma, free_extension=free_extension)
+                         max_gamma=max_gamma, free_extension=free_extension, explore_every=explore_every,
+                         free_draft=free_draft)
         self.inner = inner

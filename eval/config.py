@@ -39,7 +39,7 @@ class EvalConfig:
     baselines: list[str] = field_(default_factory=lambda: ["target", "hf", "hf_lookup", "hf_assisted"], help=f"comma list of {', '.join(BASELINES)}; hf_assisted runs only when a draft LM is known")
     assistant: str = field_("", help="draft LM for hf_assisted (default: the first draft-LM proposer)")
     bench: str = field_("mtbench", help="mtbench | humaneval | mixed (MT-bench chat + HumanEval code, interleaved) | heldout | .jsonl of prompts (`prompt` or `messages`)")
-    num_prompts: int = field_(0, help="first N prompts of the benchmark; 0 = all")
+    num_prompts: int = field_(0, help="first N prompts of the benchmark (MT-bench: round-robin over its 8 categories); 0 = all")
     max_new_tokens: int = field_(256, help="new tokens per prompt (every method)")
     temperatures: list[float] = field_(default_factory=lambda: [0.0], help="comma list; 0 = greedy, > 0 = lossless sampling")
     top_k: int = field_(0, help="sampling top-k (0 = off), same for every method")

@@ -131,6 +131,9 @@ def _batch_sweep(target, target_m: Method, swept: list[Method], prompts, categor
             variants.append((m, {"kind": "proposer"}))
     rows: list[dict] = []
     for b in values:
+        for m, _ in variants:  # every batch size starts cold, so no point depends on the order
+            if hasattr(m.proposer, "reset"):
+                m.proposer.reset()
         calls = run_benchmark(target, [target_m, *(v[0] for v in variants)], prompts, batch_size=b, **run_kw)
         sums = {k: summarize(v, prompts, categories) for k, v in calls.items()}
         base = sums["target"]

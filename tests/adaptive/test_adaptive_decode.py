@@ -396,3 +396,36 @@ def test_sampled_tokens_follow_the_target(kind):
         assert min(s.chosen_parts.values()) > N_ROWS // 10  # both parts verified often
     if kind == "adaptive-hybrid":  # the skip rule kept the draft LM out of a step: the law still holds
         assert s.parts_run["draft-lm"] < s.target_forwards
+
+
+def test_pessimistic_start_recovers_by_probing():
+    """A cold start's early rejections must not stop drafting for good. The calibrator starts out
+    convinced that nothing is accepted (as after a few rejected steps at high batch); the drafter
+    is in fact always right (it knows the greedy continuation) but its whole chain is not free,
+    and a draft pays only above 50 % acceptance. Without probes it never drafts again (no drafts,
+    no evidence); with `explore_every=8` the probes' evidence brings drafting back, losslessly."""
+    model = target()
+    prompt = prompts(1)[0]
+    n_new = 96
+    full = prompt.tolist() + reference(model, prompt, n_new)
+    cost = CostModel({(1, t): 10.0 + 5.0 * (t - 1) for t in (1, 2, 4, 8)}, {"oracle": {1: 1.0}})
+
+    def pessimist() -> AcceptanceCalibrator:
+        cal = AcceptanceCalibrator()
+        depth = torch.arange(1, 7).repeat(12)
+        cal.add(None, depth, torch.zeros_like(depth, dtype=torch.bool))
+        return cal
+
+    stats = {}
+    for every in (0, 8):
+        proposer = AdaptiveProposer(Oracle(full), cost, max_gamma=6, calibrator=pessimist(), explore_every=every)
+        for call in range(2):  # the calibrator carries over from call to call
+            out = speculative_generate(model, proposer, prompt[None], max_new_tokens=n_new, eos_token_id=[])
+            assert out.sequences == [full[len(prompt):]]
+            stats[every, call] = out.stats
+    for call in range(2):
+        never = stats[0, call]
+        assert never.tau == 1.0 and never.chosen_lengths == [never.row_forwards]  # stuck: no evidence, no drafts
+    assert stats[8, 0].tau > 1.3  # drafting again within the first call (measured 1.6)
+    assert stats[8, 1].tau > max(2.0, stats[8, 0].tau)  # and longer chains as probes go deeper (2.4)
+    assert sum(stats[8, 1].chosen_lengths[2:]) > 0

@@ -70,7 +70,9 @@ def test_useless_part_is_skipped(adaptive):
     assert skip < always
     if adaptive:
         alone, _ = ms_per_token(AdaptiveProposer(NGramProposer(), cost, max_gamma=6), ids, mask, rows)
-        assert skip <= 1.02 * alone  # only the rare exploration runs of EAGLE cost anything
+        # only EAGLE's exploration runs cost anything: <= 10 % of steps (asserted above), each 2 ms of
+        # drafting plus a wider verification, against ~10.6 ms per step
+        assert skip <= 1.03 * alone
 
 
 def test_step_log_does_not_change_the_choice():

@@ -114,6 +114,8 @@ def test_packaged_benchmarks_and_heldout(tmp_path):
     tok = tiny_tokenizer(False)
     mt = load_benchmark("mtbench", tok, DataConfig())
     assert len(mt) == 80 and len({p.category for p in mt}) == 8 and all(p.ids for p in mt)
+    first8 = load_benchmark("mtbench", tok, DataConfig(), num_prompts=8)  # one question per category
+    assert len({p.category for p in first8}) == 8 and {p.id for p in first8} <= {p.id for p in mt}
     he = load_benchmark("humaneval", tok, DataConfig(), num_prompts=5)
     assert len(he) == 5 and he[0].id == "HumanEval/0" and he[0].category == "code"
     chat = tmp_path / "chat.json"
