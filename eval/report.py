@@ -109,12 +109,62 @@ def markdown(results: dict) -> str:
         lines += [f"## sweep: {kind}", ""]
         if kind == "batch_size":
             lines += _batch_summary(rows)
+        lines += _sweep_charts(kind, rows)
         lines += [f"| temperature | method | {kind} | tok/s | speedup vs target | tau | note |",
                   "|---|---|---|---|---|---|---|"]
         lines += [f"| {r['temperature']} | {r['method']} | {r[kind]} | {r['tokens_per_s']:.1f} | "
                   f"{r['speedup_vs_target']:.2f} | {_f(r.get('tau'))} | {_note(r)} |" for r in rows]
         lines.append("")
     return "\n".join(lines)
+
+
+_EIGHTHS = " ▏▎▍▌▋▊▉"
+
+
+def text_bars(items: list[tuple[str, float]], *, width: int = 40, fmt: str = "{:.2f}x", top: float | None = None,
+              label_width: int = 0) -> list[str]:
+    """A horizontal bar chart as text lines (reads in a terminal, a log and any Markdown code
+    block): one bar per (label, value), `top` (default: the largest value) `width` characters
+    long, drawn in eighths of a character; negative values draw as empty bars."""
+    if not items:
+        return []
+    top = max(v for _, v in items) if top is None else top
+    lw = max(label_width, *(len(k) for k, _ in items))
+    lines = []
+    for k, v in items:
+        eighths = round(8 * width * max(v, 0.0) / top) if top > 0 else 0
+        bar = "█" * (eighths // 8) + (_EIGHTHS[eighths % 8] if eighths % 8 else "")
+        lines.append(f"{k:<{lw}}  {bar:<{width}}  {fmt.format(v)}")
+    return lines
+
+
+def _sweep_charts(kind: str, rows: list[dict]) -> list[str]:
+    """Speedup vs target as text bars: per batch size (target, best fixed, adaptive, oracle) for
+    the batch sweep; per method over the swept values for the others."""
+    out = []
+    for temp in sorted({r["temperature"] for r in rows}):
+        rs = [r for r in rows if r["temperature"] == temp]
+        if kind == "batch_size":
+            shown = [r for r in rs if r.get("kind") in ("target", "best_fixed", "proposer", "adaptive", "oracle")]
+            groups = {b: [r for r in shown if r["batch_size"] == b] for b in sorted({r["batch_size"] for r in shown})}
+            label = "batch {}".format
+        else:
+            groups = {m: [r for r in rs if r["method"] == m] for m in dict.fromkeys(r["method"] for r in rs)}
+            label = str
+        out += [f"speedup vs target-only decoding, T={temp}" + (" (oracle rows: a bound, not measured)"
+                                                                  if kind == "batch_size" else ""), "", "```text"]
+        top = max(r["speedup_vs_target"] for g in groups.values() for r in g)  # one scale for the chart
+        lw = max(len(r["method"]) + 11 for g in groups.values() for r in g)
+        for key, group in groups.items():
+            if kind == "batch_size":
+                items = [(r["method"] + (f" (gamma {r['gamma']})" if r.get("kind") == "best_fixed" else ""),
+                          r["speedup_vs_target"]) for r in group]
+            else:
+                items = [(f"{kind} {r[kind]}", r["speedup_vs_target"]) for r in group]
+            out += [label(key), *text_bars(items, top=top, label_width=lw), ""]
+        out[-1] = "```"
+        out.append("")
+    return out
 
 
 def _note(r: dict) -> str:

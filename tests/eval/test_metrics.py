@@ -125,3 +125,13 @@ def test_greedy_check_flags_a_real_divergence_and_accepts_a_near_tie(target):
     assert d["logit_gap"] > 1.0 and not d["near_tie"] and not rep["all_divergences_near_ties"]
     loose = greedy_check(target, calls, ps, tolerance=1e6)["buggy"]
     assert loose["all_divergences_near_ties"]
+
+
+def test_text_bars_are_proportional_on_one_scale():
+    from drafttrain.eval.report import text_bars
+
+    lines = text_bars([("fast", 2.0), ("half", 1.0), ("none", 0.0)], width=16, top=4.0)
+    bars = [line.split("  ")[1].rstrip() if "█" in line else "" for line in lines]
+    assert [len(b) for b in bars] == [8, 4, 0]  # 2/4 and 1/4 of 16 characters
+    assert lines[0].endswith("2.00x") and lines[2].endswith("0.00x")
+    assert text_bars([("a", 1.0), ("b", 0.25)], width=2)[1].split("  ")[1] == "▌"  # a half character: 4 eighths
