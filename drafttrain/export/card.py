@@ -9,7 +9,7 @@ or given with --results), and serve commands for vLLM and SGLang. Everything goe
 What it does not do: measure anything. Without eval results the card says so and shows only the
 training run's held-out *simulated* τ.
 
-Results read: `drafttrain eval`'s results.json (schema_version 1, documented in
+Results read: `drafttrain eval`'s results.json (schema_version 1 or 2, documented in
 eval/report.py: `benchmark.name`, `machine`, `config`, `runs[].temperature`,
 `runs[].methods.{name}.tau` and `.speedup.vs_target`), and, tolerantly, a flat form {"results":
 [{"proposer", "benchmark", "temperature", "tau", "speedup"}], "machine", "settings"} or a bare
@@ -75,7 +75,7 @@ def read_results(path: str | Path) -> dict:
 
 
 def _read_eval_report(raw: dict) -> dict:
-    """`drafttrain eval` results.json (schema_version 1) -> the card's rows."""
+    """`drafttrain eval` results.json (schema_version 1 or 2: the fields read here are in both) -> the card's rows."""
     bench = (raw.get("benchmark") or {}).get("name", "?")
     rows = []
     for run in raw["runs"]:

@@ -6,6 +6,8 @@ Trees here are tiny (N <= 9, V <= 11); real trees are ~60 nodes over a 256k voca
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -379,3 +381,19 @@ def test_counter_uniform_is_a_pure_uniform_function():
     other = counter_uniform(11, pos, cnt, STREAM_EMIT)
     assert abs(torch.corrcoef(torch.stack([u.flatten(), other.flatten()]))[0, 1].item()) < 0.02
     assert (u != counter_uniform(12, pos, cnt, STREAM_ACCEPT)).float().mean() > 0.99
+
+
+def test_counter_exponentials_are_keyed_per_row_and_exp1():
+    """Each row's Exp(1) vector depends on (seed, position) only: the same in any batch, new at
+    every position and seed, and distributed as Exp(1) (P(E > t) = e^-t within 6 sigma)."""
+    V = 50_000
+    e = counter_exponential(3, torch.tensor([7, 8, 9]), V)
+    assert e.shape == (3, V) and e.dtype == torch.float32 and (e > 0).all()
+    assert torch.equal(e[1], counter_exponential(3, torch.tensor([8]), V)[0])  # batch composition is irrelevant
+    assert torch.equal(e, counter_exponential(torch.tensor([3, 3, 3]), torch.tensor([7, 8, 9]), V))
+    assert not torch.equal(e[0], e[1]) and not torch.equal(e[0], counter_exponential(4, torch.tensor([7]), V)[0])
+    n = e.numel()
+    for t in (0.1, 1.0, 3.0):
+        p = math.exp(-t)
+        assert abs((e > t).float().mean().item() - p) < 6 * math.sqrt(p * (1 - p) / n)
+    assert abs(torch.corrcoef(torch.stack([e[0], e[1]]))[0, 1].item()) < 6 / math.sqrt(V)
