@@ -45,14 +45,23 @@ def test_batch_sweep_picks_the_best_fixed_gamma_per_batch_size(monkeypatch):
             ("target", 2): 4.0, ("ngram@gamma=1", 2): 4.0, ("ngram@gamma=2", 2): 8.0, ("adaptive:ngram", 2): 5.0}
     ran = []
 
+    class Learner:  # an adaptive proposer's learned state: the sweep must reset it per batch size
+        resets = 0
+
+        def reset(self):
+            self.resets += 1
+
+    learner = Learner()
+
     def fake_run_benchmark(target, methods, prompts, *, batch_size, **kw):
         ran.append((batch_size, [m.name for m in methods], [m.gamma for m in methods]))
+        assert learner.resets == len(ran)  # every batch size starts cold
         return {m.name: [Call(m.name, list(range(len(prompts))), [[1] * 10 for _ in prompts],
                               wall[m.name, batch_size])] for m in methods}
 
     monkeypatch.setattr(sweeps_mod, "run_benchmark", fake_run_benchmark)
     methods = [Method("ngram", "engine", proposer=object()),
-               Method("adaptive:ngram", "engine", proposer=object(), adaptive=True),
+               Method("adaptive:ngram", "engine", proposer=learner, adaptive=True),
                Method("hf", "hf")]
 
     def oracle(method, batch_size, summary):
