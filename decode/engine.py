@@ -16,8 +16,8 @@ cost what the active rows need; `state.rows` maps batch rows back to the caller'
 (outputs, per-row stats, step logs). With `compact=False`, or a proposer whose `select_rows`
 returns False, a finished row stays in the batch with an empty tree until all are done.
 Outputs do not depend on compaction: greedy steps are per-row functions of the prefix, and
-seeded verification draws are keyed by (seed, root position, node); only draft SAMPLING from
-the shared generator (T > 0 with a sampling drafter) sees the batch's shape. `proposer=None`
+seeded draws are keyed per row: verification by (seed, root position, node), sampled drafts by
+(seed, draft position); only unseeded sampling (a shared generator) sees the batch's shape. `proposer=None`
 runs target-only decoding through the same loop (a root-only tree), so baselines share every
 line of code with speculation.
 
@@ -27,6 +27,7 @@ Deliberately not here: proposers (proposers/), acceptance rules (verify.py), log
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -53,7 +54,8 @@ class DecodeState:
         root_pos: [B] its absolute position (= len(tokens[b]) - 1).
         active: [B] rows still generating.
         temperature / top_k / top_p: sampling settings (target and draft alike).
-        generator: RNG for draft sampling (and verification unless a seed keys it).
+        generator: RNG for draft sampling and verification when no seed keys them.
+        seed: keys sampled drafts (`keyed_categorical`) and verification draws.
         gamma: chain length requested by the caller (None: the proposer's default).
         tree: None (chain), StaticTree or DynamicTree.
         options: extra keyword options passed to speculative_generate.
@@ -74,6 +76,7 @@ class DecodeState:
     top_k: int = 0
     top_p: float = 1.0
     generator: torch.Generator | None = None
+    seed: int | Tensor | None = None
     gamma: int | None = None
     tree: StaticTree | DynamicTree | None = None
     options: dict | None = None
@@ -135,7 +138,7 @@ def draft(state: DecodeState, proposer: Proposer | None) -> DraftTree:
     return tree.without_rows(~state.active)
 
 
-def verify(state: DecodeState, tree: DraftTree, proposer: Proposer | None, seed: int | None
+def verify(state: DecodeState, tree: DraftTree, proposer: Proposer | None
            ) -> tuple[VerifyResult, dict[int, Tensor]]:
     """One target forward over the tree, then the acceptance rule of verify.py."""
     positions = state.root_pos[:, None] + tree.depths()  # [B, N]
@@ -150,7 +153,7 @@ def verify(state: DecodeState, tree: DraftTree, proposer: Proposer | None, seed:
                                     hidden_ids=hidden_ids)  # logits [B, N, V]
     result = verify_tree(logits, tree.tokens, tree.parents, tree.draft_probs,
                          temperature=state.temperature, top_k=state.top_k, top_p=state.top_p,
-                         generator=state.generator, seed=seed, positions=positions)
+                         generator=state.generator, seed=state.seed, positions=positions)
     return result, hidden
 
 
@@ -202,6 +205,8 @@ def _compact(state: DecodeState, proposer: Proposer | None) -> bool:
     keep = idx.tolist()
     state.tokens = [state.tokens[i] for i in keep]
     state.root, state.root_pos, state.active = state.root[idx], state.root_pos[idx], state.active[idx]
+    if isinstance(state.seed, Tensor):  # per-row seeds follow their rows
+        state.seed = state.seed[idx]
     state.rows = [state.rows[i] for i in keep]
     return True
 
@@ -211,7 +216,8 @@ def _compact(state: DecodeState, proposer: Proposer | None) -> bool:
 def speculative_generate(target: nn.Module, proposer: Proposer | None, input_ids: Tensor, *,
                          attention_mask: Tensor | None = None, max_new_tokens: int,
                          temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-                         seed: int | None = None, eos_token_id: int | list[int] | None = None,
+                         seed: int | Sequence[int] | Tensor | None = None,
+                         eos_token_id: int | list[int] | None = None,
                          gamma: int | None = None, tree=None, generator: torch.Generator | None = None,
                          greedy_head: str = "argmax", compact: bool = True, **opts) -> GenerateOutput:
     """Lossless speculative decoding of a batch of prompts.
@@ -224,14 +230,15 @@ def speculative_generate(target: nn.Module, proposer: Proposer | None, input_ids
         max_new_tokens: new tokens per row (a row stops earlier on EOS).
         temperature: 0 = greedy; > 0 = sampling (target and draft processed alike).
         top_k / top_p: sampling filters (0 / 1.0 = off).
-        seed: seeds draft sampling and keys verification's counter-based RNG, which makes a
-            row's output independent of the batch.
+        seed: keys sampled drafts and verification's counter-based draws per row, which makes
+            a row's output independent of the batch (its other rows, its size, compaction); an
+            int for every row, or one per row (a sequence or [B] tensor, like per-request seeds).
         eos_token_id: id or ids that end a row (included in its output); default: the target
             config's eos_token_id.
         gamma: chain length (drafts per step) for chain proposers.
         tree: None (chain), "dynamic" / DynamicTree (EAGLE-2), or a list of rank paths (static).
-        generator: optional torch.Generator for the random draws (ignored for verification when
-            `seed` is given).
+        generator: optional torch.Generator for the random draws (unused when `seed` is given,
+            except by proposers that sample on their own).
         greedy_head: "argmax" verifies greedy steps from the fused LM-head argmax (kernels/greedy.py,
             Triton on CUDA) without materialising logits; "logits" uses the model's own forward.
         compact: drop finished rows from the batch after the step they finish in (default);
@@ -252,14 +259,18 @@ def speculative_generate(target: nn.Module, proposer: Proposer | None, input_ids
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     eos = _eos_set(target, eos_token_id)
+    if seed is not None and not isinstance(seed, int):
+        seed = torch.as_tensor(seed, dtype=torch.long, device=device).reshape(-1)
+        if seed.numel() != B:
+            raise ValueError(f"seed has {seed.numel()} values for {B} rows; give one int or one per row")
     if generator is None and seed is not None:
-        generator = torch.Generator(device=device).manual_seed(seed)
+        generator = torch.Generator(device=device).manual_seed(int(seed) if isinstance(seed, int) else int(seed[0]))
     tokens = [row[m.bool()].tolist() for row, m in zip(input_ids, attention_mask)]
     state = DecodeState(
         target=target, kv=KVState.for_model(target, B, device), tokens=tokens,
         root=input_ids[:, -1].clone(), root_pos=torch.tensor([len(t) - 1 for t in tokens], device=device),
         active=torch.ones(B, dtype=torch.bool, device=device), temperature=float(temperature),
-        top_k=top_k, top_p=top_p, generator=generator, gamma=gamma, tree=parse_tree(tree), options=opts,
+        top_k=top_k, top_p=top_p, generator=generator, seed=seed, gamma=gamma, tree=parse_tree(tree), options=opts,
         greedy_head=greedy_head,
     )
     stats = DecodeStats(per_row_tokens=[0] * B, per_row_forwards=[0] * B)
@@ -272,7 +283,7 @@ def speculative_generate(target: nn.Module, proposer: Proposer | None, input_ids
         with stats.timer("draft"):
             tree = draft(state, proposer)
         with stats.timer("verify"):
-            result, hidden = verify(state, tree, proposer, seed)
+            result, hidden = verify(state, tree, proposer)
         with stats.timer("other"):
             accept(state, tree, result, out, max_new_tokens, eos, stats, state.rows)
         if proposer is not None:

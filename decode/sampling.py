@@ -29,13 +29,16 @@ __all__ = [
     "counter_uniform",
     "counter_exponential",
     "exponential_race",
+    "keyed_categorical",
     "STREAM_ACCEPT",
     "STREAM_EMIT",
+    "STREAM_DRAFT",
 ]
 
-# Streams of the counter-based RNG: one for accept tests, one for emitted tokens.
+# Streams of the counter-based RNG: accept tests, emitted tokens, sampled drafts.
 STREAM_ACCEPT = 0x243F6A88
 STREAM_EMIT = 0x85A308D3
+STREAM_DRAFT = 0x13198A2E
 
 _M32 = 0xFFFFFFFF
 _TINY = torch.finfo(torch.float32).tiny
@@ -208,3 +211,18 @@ def exponential_race(weights: Tensor, exponentials: Tensor) -> Tensor:
         [...] long indices.
     """
     return (weights / exponentials).argmax(dim=-1)
+
+
+def keyed_categorical(probs: Tensor, seed: int | Tensor, position: Tensor) -> Tensor:
+    """One draw per row from `probs` [B, V] (rows need not be normalised), keyed by (seed,
+    position [B]) on the draft stream: inverse CDF in float64 with one counter uniform per row.
+
+    A sampled draft thus depends on its row's seed, absolute position and distribution only, not
+    on the batch's composition. A position drafted again in a later step reuses its uniform;
+    that is safe because a draft beyond the first rejection never influenced what was emitted.
+    """
+    cdf = probs.double().cumsum(-1)  # [B, V]
+    u = counter_uniform(seed, position.long()[:, None], torch.zeros(1, 1, dtype=torch.long), STREAM_DRAFT)
+    x = torch.searchsorted(cdf, u.to(cdf.device) * cdf[:, -1:], right=True)[:, 0]
+    return x.clamp_(max=probs.shape[-1] - 1)
+

@@ -95,9 +95,10 @@ def verify_tree(target_logits: Tensor, tokens: Tensor, parents: Tensor, draft_pr
     nodes have parent -2 and are ignored. Children of a node are tried in index order.
 
     Randomness: float64 uniforms for the accept tests and Exp(1) noise for the one emitted token.
-    With ``seed`` they come from a counter-based hash keyed by (seed, root position, node or vocab
-    index), so a row's outcome does not depend on the rest of the batch; root positions strictly
-    increase from step to step, so keys are never reused. Otherwise they come from ``generator``
+    With ``seed`` they are keyed by (seed, root position, node) for the uniforms and (seed, root
+    position) for a row's Exp(1) vector (`counter_exponential`), so a row's outcome does not
+    depend on the rest of the batch; root positions strictly increase from step to step, so keys
+    are never reused. Otherwise they come from ``generator``
     (or the global RNG): uniforms [B, N] first, then exponentials [B, V].
 
     Args:

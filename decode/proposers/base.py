@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from drafttrain.decode.sampling import process_logits
+from drafttrain.decode.sampling import keyed_categorical, process_logits
 from drafttrain.decode.tree import DraftTree, DynamicTree, StaticTree, chain_tree, rerank_to_budget
 
 if TYPE_CHECKING:
@@ -186,7 +186,10 @@ class NodeDrafter(Proposer):
             else:
                 # q's top probability, NOT q(x): a confidence must be known before x is drawn
                 conf.append(q.max(-1).values)
-                x = torch.multinomial(q, 1, generator=state.generator)[:, 0]
+                if state.seed is not None:  # keyed per row: independent of the batch's composition
+                    x = keyed_categorical(q, state.seed, state.root_pos + t + 1)
+                else:
+                    x = torch.multinomial(q, 1, generator=state.generator)[:, 0]
                 probs.append(self._probs_to_target(q))
             drafts.append(self._draft_to_target(x))
             if t + 1 < gamma:  # draft t is node t + 1, child of node t

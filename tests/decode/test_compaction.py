@@ -139,10 +139,11 @@ def test_greedy_output_unchanged_and_batch_shrinks(kind):
     assert out.stats.row_forwards == sum(out.stats.per_row_forwards)
 
 
-@pytest.mark.parametrize("kind", ["target-only", "ngram"])
+@pytest.mark.parametrize("kind", ["target-only", "ngram", "eagle", "draft-lm", "early-exit"])
 def test_seeded_sampling_unchanged(kind):
-    """T > 0 with a seed: verification draws are keyed by (seed, root position, node), so each row's
-    tokens are the same whether finished rows are dropped or not."""
+    """T > 0 with a seed: verification draws are keyed by (seed, root position, node) and sampled
+    drafts by (seed, draft position), so each row's tokens are the same whether finished rows are
+    dropped or not. (Adaptive lengths depend on the batch size, so they are not in this list.)"""
     free = run(kind, compact=False, eos=(), temperature=1.0, seed=11)[0].sequences
     eos = (free[1][3], free[3][10])  # sampled tokens: rows end at different times
     plain, _ = run(kind, compact=False, eos=eos, temperature=1.0, seed=11)

@@ -174,6 +174,8 @@ def test_rejects_right_padded_prompts():
     ids, mask = left_pad([prompt(0, 3), prompt(1, 5)])
     with pytest.raises(ValueError, match="left-padded"):
         speculative_generate(model, None, ids, attention_mask=mask.flip(1), max_new_tokens=2)
+    with pytest.raises(ValueError, match="seed has 3 values for 2 rows"):
+        speculative_generate(model, None, ids, attention_mask=mask, max_new_tokens=2, temperature=1.0, seed=[1, 2, 3])
 
 
 # ---- sampling: the output law is the target's ---------------------------------------------------
@@ -183,8 +185,9 @@ def _within(counts: torch.Tensor, probs: torch.Tensor, n: int) -> bool:
     return bool(((counts - np_).abs() <= 6 * (np_ * (1 - probs)).sqrt() + 5).all())
 
 
+@pytest.mark.parametrize("rng", ["generator", "per-row seeds"])
 @pytest.mark.parametrize("kind", ["draft-lm-chain", "early-exit-dynamic"])
-def test_sampled_first_and_second_token_follow_the_target(kind):
+def test_sampled_first_and_second_token_follow_the_target(kind, rng):
     V, n = 16, 1500
     model = tiny_target("llama", vocab_size=V)
     ids = torch.tensor([5, 9, 3, 12])
@@ -197,11 +200,12 @@ def test_sampled_first_and_second_token_follow_the_target(kind):
         proposer, tree = load_proposer(tiny_target("llama", vocab_size=V, seed=3, num_layers=1), model), None
     else:
         proposer, tree = load_proposer("early-exit:2", model), "dynamic"
-    # a generator, not `seed`: seeded verification keys its draws by position, so identical
-    # prompts in one batch would share them (by design: outputs independent of the batch)
+    # one seed for every row would give identical prompts identical draws (keys are (seed,
+    # position): outputs independent of the batch), so: a shared generator, or one seed per row
+    rand = dict(generator=torch.Generator().manual_seed(123)) if rng == "generator" else \
+        dict(seed=torch.arange(n) + 10_000)
     out = speculative_generate(model, proposer, ids.expand(n, -1), max_new_tokens=2, temperature=1.0,
-                               generator=torch.Generator().manual_seed(123), gamma=2, tree=tree,
-                               eos_token_id=[])
+                               gamma=2, tree=tree, eos_token_id=[], **rand)
     seqs = torch.tensor(out.sequences)  # [n, 2]
     assert _within(torch.bincount(seqs[:, 0], minlength=V).float(), p1, n)
     assert _within(torch.bincount(seqs[:, 1], minlength=V).float(), p2, n)
