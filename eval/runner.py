@@ -11,7 +11,9 @@ Methods:
 For each batch of prompts every method runs once, in an order rotated by one per batch, so
 machine drift and warm caches fall on every method alike. Every method gets the same prompt
 ids, max_new_tokens, EOS ids and sampling settings (temperature, top-k, top-p: HF's own
-defaults such as top_k=50 are overridden); sampled runs seed prompt i with `seed + i`.
+defaults such as top_k=50 are overridden). Sampled runs key prompt i's randomness with seed
+`seed + i` in our engine (per row, so a prompt's output does not depend on its batch; HF
+`generate` gets `torch.manual_seed(seed + first prompt of the batch)`).
 
 Greedy check: every output is compared with target-only decoding token for token. At the first
 divergence the target re-reads prompt + common prefix in one forward and the logit gap between
@@ -93,7 +95,7 @@ def _cut_at_eos(row: list[int], eos: list[int]) -> list[int]:
 
 
 def run_call(target: nn.Module, method: Method, prompts: list[list[int]], *, max_new_tokens: int,
-             temperature: float, top_k: int = 0, top_p: float = 1.0, seed: int = 0, eos: list[int],
+             temperature: float, top_k: int = 0, top_p: float = 1.0, seed: int | list[int] = 0, eos: list[int],
              pad_id: int = 0, gamma: int | None = None, tree=None) -> tuple[list[list[int]], float, dict | None]:
     """Runs one method on one batch; returns (new tokens per row, wall seconds, stats or None)."""
     ids, mask = left_pad(prompts, pad_id)
@@ -112,7 +114,7 @@ def run_call(target: nn.Module, method: Method, prompts: list[list[int]], *, max
     sampling = dict(do_sample=True, temperature=temperature, top_k=top_k, top_p=top_p) if temperature > 0 else \
         dict(do_sample=False, temperature=None, top_k=None, top_p=None)
     if temperature > 0:
-        torch.manual_seed(seed)
+        torch.manual_seed(seed if isinstance(seed, int) else seed[0])
     t0 = time.perf_counter()
     with torch.inference_mode():
         gen = target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, min_new_tokens=0,
@@ -140,7 +142,7 @@ def run_benchmark(target: nn.Module, methods: list[Method], prompts: list[list[i
             if m.batch1_only and len(idx) > 1:
                 continue
             seqs, wall, stats = run_call(target, m, [prompts[i] for i in idx], max_new_tokens=max_new_tokens,
-                                         temperature=temperature, top_k=top_k, top_p=top_p, seed=seed + idx[0],
+                                         temperature=temperature, top_k=top_k, top_p=top_p, seed=[seed + i for i in idx],
                                          eos=eos, pad_id=pad_id, gamma=gamma, tree=tree)
             call = Call(m.name, idx, seqs, wall, stats)
             calls[m.name].append(call)
