@@ -171,3 +171,20 @@ def test_tracking_logs_namespaced_metrics(model_dirs, prompt_file, tmp_path, mon
     run_eval(cfg)
     assert kinds == ["wandb"]
     assert logged[0]["eval/T0/ngram/tau"] >= 1.0 and "eval/T0/ngram/speedup_vs_target" in logged[0]
+
+
+def test_sampled_outputs_do_not_depend_on_the_batch_size():
+    """T = 1: each prompt's rows are keyed by seed + prompt index, so target-only decoding and a
+    fixed-length proposer give every prompt the same tokens at batch 1 and batch 3."""
+    from drafttrain.decode.proposers import DraftLMProposer
+    from drafttrain.eval.runner import run_benchmark
+
+    model = tiny_target("llama", vocab_size=64)
+    draft = tiny_target("llama", vocab_size=64, num_layers=1, seed=3)
+    prompts = [[5, 9, 3, 12, 7], [5, 9, 3, 12, 8], [1, 2]]  # two of the same length
+    methods = [Method("target", "engine"), Method("draft-lm", "engine", proposer=DraftLMProposer(draft))]
+    out = {b: run_benchmark(model, methods, prompts, batch_size=b, max_new_tokens=12, temperature=1.0, seed=4,
+                            eos=[], gamma=3) for b in (1, 3)}
+    for name in ("target", "draft-lm"):
+        per_prompt = {b: [s for call in out[b][name] for s in call.sequences] for b in (1, 3)}
+        assert per_prompt[1] == per_prompt[3]
