@@ -137,6 +137,19 @@ def test_calibrator_forgets_and_follows_the_text():
     assert float(cal.prior(1)[0]) > 0.5
 
 
+def test_untried_depths_follow_the_depth_above():
+    """Depth 1 accepted 90 % of the time, deeper depths never tried: they are expected to behave
+    like depth 1 (not like the 0.6 prior), so a chooser tries them; their own evidence wins."""
+    cal = AcceptanceCalibrator(decay=1.0)
+    ones = torch.ones(100, dtype=torch.long)
+    cal.add(None, ones, torch.arange(100) < 90)
+    prior = cal.prior(4)
+    assert float(prior[0]) == pytest.approx(90 / 100, abs=0.02) and (prior[1:] - prior[0]).abs().max() < 1e-6
+    cal.add(None, 2 * ones, torch.arange(100) < 30)  # depth 2 disappoints: learned from its trials
+    prior = cal.prior(3)
+    assert float(prior[1]) == pytest.approx(0.3, abs=0.03) and float(prior[2]) == pytest.approx(float(prior[1]))
+
+
 def test_calibrator_learns_from_a_verified_tree():
     cal = AcceptanceCalibrator(decay=1.0, prior_strength=1e-6)
     from drafttrain.decode.verify import VerifyResult
