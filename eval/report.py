@@ -153,15 +153,16 @@ def _sweep_charts(kind: str, rows: list[dict]) -> list[str]:
             label = str
         out += [f"speedup vs target-only decoding, T={temp}" + (" (oracle rows: a bound, not measured)"
                                                                   if kind == "batch_size" else ""), "", "```text"]
-        top = max(r["speedup_vs_target"] for g in groups.values() for r in g)  # one scale for the chart
-        lw = max(len(r["method"]) + 11 for g in groups.values() for r in g)
-        for key, group in groups.items():
+        def items(group: list[dict]) -> list[tuple[str, float]]:
             if kind == "batch_size":
-                items = [(r["method"] + (f" (gamma {r['gamma']})" if r.get("kind") == "best_fixed" else ""),
-                          r["speedup_vs_target"]) for r in group]
-            else:
-                items = [(f"{kind} {r[kind]}", r["speedup_vs_target"]) for r in group]
-            out += [label(key), *text_bars(items, top=top, label_width=lw), ""]
+                return [(r["method"] + (f" (gamma {r['gamma']})" if r.get("kind") == "best_fixed" else ""),
+                         r["speedup_vs_target"]) for r in group]
+            return [(f"{kind} {r[kind]}", r["speedup_vs_target"]) for r in group]
+
+        top = max(r["speedup_vs_target"] for g in groups.values() for r in g)  # one scale for the chart
+        lw = max(len(k) for g in groups.values() for k, _ in items(g))
+        for key, group in groups.items():
+            out += [label(key), *text_bars(items(group), top=top, label_width=lw), ""]
         out[-1] = "```"
         out.append("")
     return out
