@@ -5,8 +5,9 @@ Each step, for each proposer ("part"; one for AdaptiveProposer, several for Hybr
     plan    from the calibrator's per-depth acceptance estimates (past steps only) and the cost
             model, the chain length L that maximises expected tokens per ms; L = 0: the part is
             not run at all (no drafting cost)
-    probe   a part none of whose drafts was verified for `explore_every` steps drafts >= 1 token
-            and its rows verify their first draft (exploration; past steps decide it)
+    probe   every `explore_every` steps a part drafts, and its rows verify its first path one
+            draft deeper than it last reached, whatever the estimate (exploration; past steps
+            decide it)
     skip    (hybrid with a cost model) parts run cheapest first; a part runs only if the rows it
             could win (expected over the best tree of the cheaper parts) repay its drafting ms
     draft   the part drafts a chain of L (state.gamma = L), or its tree (trees: on / off only)
@@ -365,16 +366,8 @@ def _prefix(tree: DraftTree, length: int) -> DraftTree:
 
 def _first_child_path(tree: DraftTree) -> list[list[int]]:
     """Per row, the tokens along the path of first children (a chain's drafts)."""
-    toks, pars = tree.tokens.tolist(), tree.parents.tolist()
-    out = []
-    for t, p in zip(toks, pars):
-        path, cur = [], 0
-        for i in range(1, len(p)):
-            if p[i] == cur:
-                path.append(t[i])
-                cur = i
-        out.append(path)
-    return out
+    on = _first_path(tree, tree.size)
+    return [t[m][1:].tolist() for t, m in zip(tree.tokens, on)]
 
 
 def _first_path(tree: DraftTree, depth: int) -> Tensor:
