@@ -186,7 +186,7 @@ def counter_exponential(seed: int | Tensor, position: Tensor, vocab_size: int) -
     A pure function of the key, like ``counter_uniform``, but not hashed per vocab index: each
     (seed, position) key seeds its own ``torch.Generator`` (Mersenne Twister on CPU, Philox on
     CUDA), which draws the row's V float64 uniforms. Hashing all 262k indices of Gemma's vocab cost
-    ~37 ms per row and step on one CPU core (more than half a target forward); this costs ~2 ms.
+    ~37 ms per row and step on one CPU core (more than half a target forward); this costs ~5.5 ms.
     The draws differ between CPU and CUDA generators (each is reproducible on its own device).
     """
     key = _row_key(seed, position, STREAM_EMIT)  # the broadcast shape of seed and position

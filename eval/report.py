@@ -119,6 +119,8 @@ def markdown(results: dict) -> str:
 
 
 _EIGHTHS = " ▏▎▍▌▋▊▉"
+#: batch-sweep row kinds shown in the summary table and chart (not the individual fixed lengths)
+_SUMMARY_KINDS = ("target", "best_fixed", "proposer", "adaptive", "oracle")
 
 
 def text_bars(items: list[tuple[str, float]], *, width: int = 40, fmt: str = "{:.2f}x", top: float | None = None,
@@ -145,7 +147,7 @@ def _sweep_charts(kind: str, rows: list[dict]) -> list[str]:
     for temp in sorted({r["temperature"] for r in rows}):
         rs = [r for r in rows if r["temperature"] == temp]
         if kind == "batch_size":
-            shown = [r for r in rs if r.get("kind") in ("target", "best_fixed", "proposer", "adaptive", "oracle")]
+            shown = [r for r in rs if r.get("kind") in _SUMMARY_KINDS]
             groups = {b: [r for r in shown if r["batch_size"] == b] for b in sorted({r["batch_size"] for r in shown})}
             label = "batch {}".format
         else:
@@ -219,8 +221,7 @@ def _batch_summary(rows: list[dict]) -> list[str]:
     (with its margin vs the best fixed length of its parts), oracle: tok/s (speedup)."""
     lines = []
     for temp in sorted({r["temperature"] for r in rows}):
-        rs = [r for r in rows if r["temperature"] == temp and r.get("kind") in ("target", "best_fixed", "proposer",
-                                                                                 "adaptive", "oracle")]
+        rs = [r for r in rows if r["temperature"] == temp and r.get("kind") in _SUMMARY_KINDS]
         cols = list(dict.fromkeys(r["method"] for r in rs))
         if len(cols) < 2:
             continue
