@@ -14,7 +14,9 @@ Each step, for each proposer ("part"; one for AdaptiveProposer, several for Hybr
     choose  (hybrid) per row, the part whose tree has the highest expected accepted length
     trim    per row, drop drafts whose calibrated acceptance does not pay for their share of the
             verification forward (the drafting cost is sunk; trimming only saves verification)
-    learn   after verification: calibrator counts of each part's own rows; every part observes
+    learn   after verification: calibrator counts of each part's own rows, plus shadow evidence
+            (deterministic drafts that were not verified, scored against the emitted tokens);
+            every part observes
 
 Layout: AcceptanceCalibrator, expected_tokens, choose_length (the math); trim_tree and the
 shared loop (`Scheduler`); AdaptiveProposer (one part). HybridProposer lives in
@@ -429,13 +431,16 @@ class Scheduler(Proposer):
             verification is always drafted in full (n-gram lookup: ~1 %); trimming then decides
             per row with the drafts' own confidences (match lengths), which say far more than
             the per-depth estimate the plan has before drafting. 0 turns this off.
+        shadow: also learn from deterministic drafts that were not verified, by comparing them
+            with the tokens the row emitted (`_shadow`; unbiased and lossless).
     """
 
     name = "scheduler"
 
     def __init__(self, parts: list[Proposer], *, cost_model: CostModel | None = None, calibrator=None,
                  adaptive: bool = True, max_gamma: int = 8, gamma: int | None = None,
-                 free_extension: bool = True, explore_every: int = 32, free_draft: float = 0.05):
+                 free_extension: bool = True, explore_every: int = 32, free_draft: float = 0.05,
+                 shadow: bool = True):
         if not parts:
             raise ValueError("need at least one part")
         inner, cals = [], {}
@@ -464,6 +469,7 @@ class Scheduler(Proposer):
             self.calibrators[n] = cal
         self.cost_model, self.adaptive, self.max_gamma, self.gamma = cost_model, adaptive, max_gamma, gamma
         self.free_extension, self.explore_every, self.free_draft = free_extension, explore_every, free_draft
+        self.shadow = shadow
         self._skipped = [0] * len(inner)  # per part: steps skipped in a row by the skip rule
         self._since = dict.fromkeys(self.names, 0)  # per part: steps since its last probe
         self._reach = dict.fromkeys(self.names, 0)  # per part: deepest draft verified at its last drafted step
@@ -533,7 +539,7 @@ class Scheduler(Proposer):
                 verified, kept_ids = _compact(merged, keep)
         self._last = dict(active=active, choice=choice, used=used, merged=merged, kept_ids=kept_ids,
                           pos=state.root_pos.tolist(), proposals=proposals if log else None,
-                          draft_ms=sum(draft_ms), batch=B)
+                          draft_ms=sum(draft_ms), batch=B, trees=trees)
         return verified
 
     # ---- the skip rule ----------------------------------------------------------------------------
@@ -608,9 +614,68 @@ class Scheduler(Proposer):
             elif last["used"][i] and not bool((active & (choice != i)).any()):
                 self._reach[n] = 0  # drafted, every row chose it, nothing verified
             self.calibrators[n].update(tree, result, rows)
+            if self.shadow and last["used"][i]:
+                self._shadow(state, i, mine)
             p.observe(state, last["merged"], full_result, full_hidden, own=rows)
         self._record(state, tree)
         self._step += 1
+
+    def _shadow(self, state: DecodeState, i: int, rows: Tensor) -> None:
+        """Counterfactual evidence: part i's deterministic drafts that were NOT verified this step
+        (trimmed, or the row verified another part's tree) are scored against the tokens the row
+        emitted: a node counts as a trial when its parent's path equals the emitted tokens and the
+        row emitted a token at its depth, and as accepted when its token equals that token.
+
+        Unbiased, at any temperature: for a deterministic draft x, verification accepts it with
+        probability p(x), and the emitted token, a sample of the target's distribution whatever
+        was verified (lossless), equals x with probability p(x); given the parent's path was
+        emitted, the same holds one level down. Lossless to use: the evidence is emitted tokens,
+        so later steps' plans still depend on the past only. Sampled drafts (draft_probs given)
+        are accepted with min(1, p/q), not p: they get no shadow evidence.
+
+        Without it a draft that is trimmed is never learned from: at batch 16 a cold start's
+        early rejections made the trim keep nothing and the estimate could only recover through
+        probes. With it n-gram, which drafts its whole cap for free every step, is calibrated on
+        every step whatever was verified.
+        """
+        last = self._last
+        tree = last["trees"][i]
+        if tree is None or tree.size == 1 or tree.draft_probs is not None:
+            return
+        B, N = tree.tokens.shape
+        verified = torch.zeros(B, N, dtype=torch.bool)  # part i's nodes that were real trials' candidates
+        mine = (last["choice"].cpu() == i) & last["active"].cpu()
+        if last["kept_ids"] is None:
+            verified[mine] = True
+        else:
+            ids = last["kept_ids"].cpu()
+            b, j = (ids >= 0).nonzero(as_tuple=True)
+            keep = mine[b] & (ids[b, j] < N)
+            verified[b[keep], ids[b[keep], j[keep]]] = True
+        toks, pars = tree.tokens.tolist(), tree.parents.tolist()
+        conf = tree.confidence.cpu().tolist() if tree.confidence is not None else None
+        rec_b, rec_d, rec_c, rec_a = [], [], [], []
+        for b in rows.cpu().nonzero()[:, 0].tolist():
+            emitted = state.tokens[b][last["pos"][b] + 1:]
+            depth, on = [0] * N, [True] + [False] * (N - 1)  # on: the node's path was emitted
+            for j in range(1, N):
+                par = pars[b][j]
+                if par < 0:
+                    continue
+                d = depth[j] = depth[par] + 1
+                if not on[par] or d > len(emitted):
+                    continue
+                hit = toks[b][j] == emitted[d - 1]
+                on[j] = hit
+                if not verified[b, j]:
+                    rec_b.append(b), rec_d.append(d), rec_a.append(hit)
+                    rec_c.append(conf[b][j] if conf is not None else 0.0)
+        if rec_b:
+            cal = self.calibrators[self.names[i]]
+            if cal.row_n.shape[0] != B:
+                cal.reset_rows(B)
+            cal.add(torch.tensor(rec_c) if conf is not None else None, torch.tensor(rec_d),
+                    torch.tensor(rec_a), torch.tensor(rec_b))
 
     def select_rows(self, idx: Tensor) -> bool:
         if any(type(p).select_rows is Proposer.select_rows for p in self.parts):
@@ -792,17 +857,17 @@ class AdaptiveProposer(Scheduler):
         max_gamma: longest chain considered (the caller's gamma, when given, is the cap).
         calibrator: an AcceptanceCalibrator (default: a fresh one).
         free_extension: see `trim_tree`.
-        explore_every, free_draft: see Scheduler.
+        explore_every, free_draft, shadow: see Scheduler.
     """
 
     name = "adaptive"
 
     def __init__(self, inner: Proposer, cost_model: CostModel, *, max_gamma: int = 8,
                  calibrator: AcceptanceCalibrator | None = None, free_extension: bool = True,
-                 explore_every: int = 32, free_draft: float = 0.05):
+                 explore_every: int = 32, free_draft: float = 0.05, shadow: bool = True):
         if isinstance(inner, Scheduler):
             raise ValueError("wrap the parts instead: HybridProposer(parts, cost_model=...) is the adaptive hybrid")
         super().__init__([inner], cost_model=cost_model, calibrator=calibrator, adaptive=True,
                          max_gamma=max_gamma, free_extension=free_extension, explore_every=explore_every,
-                         free_draft=free_draft)
+                         free_draft=free_draft, shadow=shadow)
         self.inner = inner

@@ -54,6 +54,7 @@ class HybridProposer(Scheduler):
             drafts once anyway, and so does a part whose plan was 0 that long; 0 turns the skip
             rule off (every part whose plan is > 0 drafts) and never overrides a plan.
         free_draft: see Scheduler (n-gram-cheap parts always draft their cap; trimming decides).
+        shadow: see Scheduler (learn from unverified deterministic drafts against the emitted tokens).
     """
 
     name = "hybrid"
@@ -61,11 +62,11 @@ class HybridProposer(Scheduler):
     def __init__(self, parts: list[Proposer], *, cost_model: CostModel | None = None,
                  calibrator: AcceptanceCalibrator | dict | None = None, gamma: int | None = None,
                  max_gamma: int = 8, adaptive: bool | None = None, free_extension: bool = True,
-                 explore_every: int = 32, free_draft: float = 0.05):
+                 explore_every: int = 32, free_draft: float = 0.05, shadow: bool = True):
         if len(parts) < 2:
             raise ValueError(f"a hybrid needs at least two parts, got {len(parts)}")
         if adaptive is None:
             adaptive = cost_model is not None or any(getattr(p, "adaptive", False) for p in parts)
         super().__init__(parts, cost_model=cost_model, calibrator=calibrator, adaptive=adaptive,
                          max_gamma=max_gamma, gamma=gamma, free_extension=free_extension,
-                         explore_every=explore_every, free_draft=free_draft)
+                         explore_every=explore_every, free_draft=free_draft, shadow=shadow)

@@ -429,3 +429,33 @@ def test_pessimistic_start_recovers_by_probing():
     assert stats[8, 0].tau > 1.3  # drafting again within the first call (measured 1.6)
     assert stats[8, 1].tau > max(2.0, stats[8, 0].tau)  # and longer chains as probes go deeper (2.4)
     assert sum(stats[8, 1].chosen_lengths[2:]) > 0
+
+
+def test_free_drafts_that_were_trimmed_still_teach_the_calibrator():
+    """The batch-16 n-gram cold start: drafting is free (its whole chain is drafted every step) but
+    the calibrator believes nothing is accepted, so the trim verifies none of it. Without shadow
+    evidence (and without probes) no draft is ever verified again; with it, the unverified drafts
+    are scored against the emitted tokens, the estimate recovers within the call, and the output
+    is still the target's."""
+    model = target()
+    prompt = prompts(1)[0]
+    n_new = 64
+    full = prompt.tolist() + reference(model, prompt, n_new)
+    cost = CostModel({(1, t): 10.0 + 5.0 * (t - 1) for t in (1, 2, 4, 8)}, {"oracle": {1: 0.0}})
+
+    def pessimist() -> AcceptanceCalibrator:
+        cal = AcceptanceCalibrator()
+        depth = torch.arange(1, 7).repeat(12)
+        cal.add(None, depth, torch.zeros_like(depth, dtype=torch.bool))
+        return cal
+
+    stats = {}
+    for shadow in (False, True):
+        proposer = AdaptiveProposer(Oracle(full), cost, max_gamma=6, calibrator=pessimist(), explore_every=0,
+                                    shadow=shadow)
+        out = speculative_generate(model, proposer, prompt[None], max_new_tokens=n_new, eos_token_id=[])
+        assert out.sequences == [full[len(prompt):]]
+        stats[shadow] = out.stats
+    assert stats[False].tau == 1.0  # stuck: drafted every step, verified nothing, learned nothing
+    assert stats[True].tau > 2.0  # recovered (2.7): the oracle's drafts are right, and now verified
+    assert stats[True].target_forwards < 0.5 * stats[False].target_forwards
