@@ -10,6 +10,7 @@ every finished batch is appended to `out` as JSONL lines
 the file are skipped, and a line cut short by a kill is dropped first. Each record samples from
 its own seed (seed, id), so a resumed file holds the same responses a single run would.
 
+Prompts of data.max_len tokens or more are skipped (training would truncate their answers away).
 What it does not do: regenerate later turns of multi-turn conversations (the response is one
 turn), filter or score responses, or run the target through our speculative decoder.
 """
@@ -67,7 +68,12 @@ def read_done(path: Path) -> set[str]:
 
 
 def prompts_of(cfg: RegenerateConfig, tokenizer) -> list[tuple[str, list[dict], list[int]]]:
-    """(id, prompt messages, prompt ids) per usable conversation, in file order, without duplicates."""
+    """(id, prompt messages, prompt ids) per usable conversation, in file order, without duplicates.
+
+    Prompts of `data.max_len` tokens or more are skipped: training truncates every record to
+    max_len, so none of their answer would be learned, and one such prompt in a batch makes the
+    whole batch pad to it (ShareGPT has first turns of many thousand tokens).
+    """
     from drafttrain.chat import render_prompt
     from drafttrain.data import load_conversations
 
@@ -79,7 +85,10 @@ def prompts_of(cfg: RegenerateConfig, tokenizer) -> list[tuple[str, list[dict], 
         seen.add(rec["key"])
         first_user = next(j for j, m in enumerate(messages) if m["role"] == "user")
         prefix = messages[: first_user + 1]
-        out.append((rec["key"], prefix, render_prompt(tokenizer, prefix, cfg.data.template, cfg.data.system_prompt)))
+        ids = render_prompt(tokenizer, prefix, cfg.data.template, cfg.data.system_prompt)
+        if len(ids) >= cfg.data.max_len:
+            continue
+        out.append((rec["key"], prefix, ids))
         if cfg.num_prompts and len(out) >= cfg.num_prompts:
             break
     return out

@@ -45,6 +45,19 @@ def test_regenerate_writes_resumable_jsonl_that_trains(dl_root, tmp_path):
     assert all(sum(r["loss_mask"]) > 0 for r in train)
 
 
+def test_prompts_longer_than_max_len_are_skipped(dl_root, tmp_path):
+    """Their answers would be truncated away in training, and one of them pads the whole batch."""
+    from drafttrain.regenerate import prompts_of
+    from drafttrain.targets import load_tokenizer
+
+    tok = load_tokenizer(str(dl_root / "target"))
+    every = prompts_of(regen_cfg(dl_root, tmp_path / "x.jsonl", "num_prompts=0"), tok)
+    cut = max(len(ids) for _, _, ids in every)  # "Question 10: ..." and up are one token longer
+    kept = prompts_of(regen_cfg(dl_root, tmp_path / "x.jsonl", "num_prompts=0", f"data.max_len={cut}"), tok)
+    assert 0 < len(kept) < len(every)
+    assert all(len(ids) < cut for _, _, ids in kept)
+
+
 def test_regenerate_help_and_missing_out(dl_root, capsys):
     assert main(["regenerate", "--help"]) == 0
     assert "resumable" in capsys.readouterr().out.lower()
