@@ -48,7 +48,7 @@ __all__ = ["CostModel", "measure_cost_model", "load_or_measure", "proposer_key",
            "DEFAULT_CACHE_DIR", "default_cache_dir"]
 
 #: proposers whose draft step costs ~nothing unless measured (host-side lookups).
-FREE_PROPOSERS = ("ngram",)
+FREE_PROPOSERS = ("ngram", "corpus")
 DEFAULT_CACHE_DIR = "~/.cache/drafttrain/costs"
 
 

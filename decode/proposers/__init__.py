@@ -2,6 +2,8 @@
 
 Registry (spec string -> proposer):
     "ngram", "ngram:N"        prompt lookup, longest suffix N (NGramProposer)
+    "corpus:FILE"             lookup in a corpus of the target's own answers, a chat JSON / JSONL
+                              such as `drafttrain regenerate temperature=0` writes (CorpusProposer)
     "early-exit:K"            the target's first K layers (EarlyExitProposer)
     <drafter folder>          drafttrain drafter (config.json "method": eagle3 / eagle1 / medusa1 /
                               medusa2; Medusa-2 needs its adapted target, see MedusaProposer)
@@ -30,13 +32,14 @@ from pathlib import Path
 from torch import nn
 
 from drafttrain.decode.proposers.base import NodeDrafter, Proposer
+from drafttrain.decode.proposers.corpus import CorpusProposer
 from drafttrain.decode.proposers.draft_lm import DraftLMProposer
 from drafttrain.decode.proposers.eagle import EagleProposer
 from drafttrain.decode.proposers.early_exit import EarlyExitProposer
 from drafttrain.decode.proposers.medusa import MedusaProposer
 from drafttrain.decode.proposers.ngram import NGramProposer
 
-__all__ = ["Proposer", "NodeDrafter", "NGramProposer", "EarlyExitProposer", "DraftLMProposer",
+__all__ = ["Proposer", "NodeDrafter", "NGramProposer", "CorpusProposer", "EarlyExitProposer", "DraftLMProposer",
            "EagleProposer", "MedusaProposer", "HybridProposer", "load_proposer", "PROPOSERS", "COMPOSITE"]
 
 def __getattr__(name: str):
@@ -89,6 +92,10 @@ def load_proposer(spec_or_path, target: nn.Module, *, tokenizer=None, **options)
     name, _, arg = spec.partition(":")
     if name in COMPOSITE and not Path(spec).exists():
         return _load_composite(name, arg, target, tokenizer, **options)
+    if name == "corpus" and not Path(spec).exists():
+        if not arg:
+            raise ValueError("proposer spec corpus:FILE needs the corpus file, e.g. corpus:runs/corpus/answers.jsonl")
+        return CorpusProposer.from_file(arg, tokenizer, **options)
     if name in PROPOSERS and not Path(spec).exists():
         return PROPOSERS[name](target, arg or None, **options)
     folder = Path(spec)
@@ -195,7 +202,7 @@ def _load_draft_lm(spec: str, target: nn.Module, tokenizer, **options) -> Propos
     try:
         model = AutoModelForCausalLM.from_pretrained(spec, dtype=next(target.parameters()).dtype)
     except (OSError, ValueError) as err:
-        known = ", ".join(f"{k}[:N]" for k in PROPOSERS)
+        known = ", ".join(f"{k}[:N]" for k in PROPOSERS) + ", corpus:FILE"
         raise ValueError(f"cannot load proposer {spec!r}: not one of {known}, a drafter folder, "
                          f"or a causal LM ({err.__class__.__name__}: {str(err).splitlines()[0]})") from None
     model.to(next(target.parameters()).device).eval()
