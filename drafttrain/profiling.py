@@ -25,7 +25,7 @@ class ProfileConfig:
     target: str = field_("gemma-3-270m", help="target: packaged alias, HF hub id, local folder or .gguf file")
     dtype: str = field_("bfloat16", help="target dtype", choices=("auto", "bfloat16", "float32", "float16"))
     device: str = field_("auto", help="cpu | cuda | auto (cuda when available)")
-    proposers: list[str] = field_(default_factory=lambda: ["ngram"], help="comma list of proposer specs whose draft step to time (ngram[:N], early-exit:K, drafter folder, draft-LM id/path)")
+    proposers: list[str] = field_(default_factory=lambda: ["ngram"], help="comma list of proposer specs whose draft step to time (ngram[:N], corpus:FILE, early-exit:K, drafter folder, draft-LM id/path)")
     batch_sizes: list[int] = field_(default_factory=lambda: [1, 2, 4, 8, 16], help="rows per forward")
     tokens: list[int] = field_(default_factory=lambda: [1, 2, 3, 4, 5, 6, 8, 12, 16], help="new tokens per row per forward")
     context: int = field_(256, help="tokens already in the KV cache per row")
