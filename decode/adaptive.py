@@ -5,9 +5,9 @@ Each step, for each proposer ("part"; one for AdaptiveProposer, several for Hybr
     plan    from the calibrator's per-depth acceptance estimates (past steps only) and the cost
             model, the chain length L that maximises expected tokens per ms; L = 0: the part is
             not run at all (no drafting cost)
-    probe   every `explore_every` steps a part drafts, and its rows verify its first path one
-            draft deeper than it last reached, whatever the estimate (exploration; past steps
-            decide it)
+    probe   every `explore_every` steps a part drafts one deeper than it last reached, whatever
+            the estimate (exploration; past steps decide it); rows that chose a part with
+            sampled drafts verify the probe's path, deterministic drafts are scored as shadows
     skip    (hybrid with a cost model) parts run cheapest first; a part runs only if the rows it
             could win (expected over the best tree of the cheaper parts) repay its drafting ms
     draft   the part drafts a chain of L (state.gamma = L), or its tree (trees: on / off only)
@@ -420,9 +420,10 @@ class Scheduler(Proposer):
             is the cap instead).
         gamma: non-adaptive chain length (default: the caller's gamma, else each part's default).
         free_extension: see `trim_tree`.
-        explore_every: every this many steps a part is probed: it drafts, and the rows that
-            verify its tree keep one draft deeper than its last verified depth whatever the
-            estimate says (so a pessimistic estimate can recover: a cold start's early rejections
+        explore_every: every this many steps a part is probed: it drafts one deeper than it last
+            reached whatever the estimate says, and (sampled drafts; deterministic ones are
+            scored as shadows) the rows that verify its tree keep that path (so a pessimistic
+            estimate can recover: a cold start's early rejections
             would otherwise stop drafting for good at high batch, and deeper drafts that are
             never verified would never be learned again); and with several parts a part
             the skip rule kept out this many steps in a row runs once (`_worth_running`). 0: plans
@@ -472,7 +473,7 @@ class Scheduler(Proposer):
         self.shadow = shadow
         self._skipped = [0] * len(inner)  # per part: steps skipped in a row by the skip rule
         self._since = dict.fromkeys(self.names, 0)  # per part: steps since its last probe
-        self._reach = dict.fromkeys(self.names, 0)  # per part: deepest draft verified at its last drafted step
+        self._reach = dict.fromkeys(self.names, 0)  # per part: most drafts accepted at its last verified step
         self.needs_hidden_states = tuple(sorted({i for p in inner for i in p.needs_hidden_states}))
         self.default_gamma = gamma or max_gamma
 
@@ -532,6 +533,8 @@ class Scheduler(Proposer):
                              sunk_ms=sunk, rate=rate, free_extension=self.free_extension)
             for i, depth in enumerate(probes):
                 rows = (choice.to(keep.device) == i) & active.to(keep.device)
+                if self.shadow and trees[i].draft_probs is None:
+                    continue  # deterministic drafts: the shadow evidence is the probe, verification is not needed
                 if depth and used[i] and bool(rows.any()):  # the probe's rows keep its first path
                     keep |= rows[:, None] & _first_path(merged, depth)
             same = keep[:, 1:] == (merged.parents[:, 1:] != -2)
@@ -606,11 +609,12 @@ class Scheduler(Proposer):
         full_result, full_hidden = result, hidden
         if last["kept_ids"] is not None:  # back to the merged tree's node ids (each part's own ids)
             full_result, full_hidden = _expand(result, hidden, last["kept_ids"], last["merged"].size)
-        depth = tree.depths().max(1).values  # [B] deepest draft each row verified
+        verified = tree.depths().max(1).values > 0  # [B] the row verified a draft
+        accepted = result.num_accepted.to(verified.device)  # [B] accepted drafts (= depth reached)
         for i, (p, n) in enumerate(zip(self.parts, self.names)):
             rows = mine & (choice == i) & last["used"][i]
-            if bool(rows.any()) and int(depth[rows].max()) > 0:
-                self._reach[n] = int(depth[rows].max())
+            if bool((rows & verified).any()):
+                self._reach[n] = int(accepted[rows & verified].max())
             elif last["used"][i] and not bool((active & (choice != i)).any()):
                 self._reach[n] = 0  # drafted, every row chose it, nothing verified
             self.calibrators[n].update(tree, result, rows)
@@ -724,13 +728,16 @@ class Scheduler(Proposer):
         return (1, tree_rate, draft) if tree_rate > none_rate else (0, none_rate, 0.0)
 
     def _probe_depth(self, name: str, cap: int) -> int:
-        """0, or the depth this step's probe of the part verifies: one deeper than the deepest draft
-        of it verified at its last drafted step (past steps only, so the output stays lossless).
+        """0, or the depth this step's probe of the part drafts (and, for sampled drafts, verifies):
+        one deeper than the most drafts of it accepted at its last verified step (past steps only,
+        so the output stays lossless).
 
-        Without probes a pessimistic estimate is final: no verified drafts, no evidence (at
-        high batch a cold start's early rejections stopped drafting for good), and a depth that
-        is never verified is never learned. A probe costs one token of wider verification per
-        `explore_every` steps."""
+        Without probes a pessimistic estimate is final: nothing drafted, no evidence (at high
+        batch a cold start's early rejections stopped drafting for good), and a depth that is
+        never tried is never learned. Deterministic drafts only need to be drafted: their shadow
+        evidence (`_shadow`) scores them against the emitted tokens, so their probe costs no
+        verification. Sampled drafts are verified along the probe's path: one token of wider
+        verification per `explore_every` steps."""
         if not (self.adaptive and self.explore_every):
             return 0
         self._since[name] += 1
