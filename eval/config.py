@@ -57,6 +57,7 @@ class EvalConfig:
     sweep_batch_sizes: list[int] = field_(default_factory=lambda: [1, 2, 4, 8, 16], help="batch sizes of the batch_size sweep")
     sweep_fixed_gammas: list[int] = field_(default_factory=list, help="batch_size sweep: fixed chain lengths for every non-adaptive proposer (+ best fixed in hindsight, adaptive margin); empty = default")
     sweep_prompts: int = field_(0, help="prompts per sweep point; 0 = same as the main run")
+    sweep_repeats: int = field_(1, help="batch_size sweep: timed runs per batch size, interleaved, each method's median reported (short calls are noisy)")
     oracle: bool = field_(False, help="T = 0: oracle bound of adaptive / hybrid methods (best part + length per step in hindsight, along the steps visited)")
     cost_model: str = field_("", help="cost model JSON for adaptive / hybrid proposers and the oracle; empty = measured / cached per target")
     near_tie: float = field_(0.0, help="greedy divergences with |logit gap| <= this are near-ties; 0 = dtype-aware default")
@@ -79,6 +80,8 @@ class EvalConfig:
                 raise ValueError(f"unknown sweep {s!r}; choose from {', '.join(SWEEPS)}")
         if self.max_new_tokens < 1 or self.batch_size < 1 or self.num_prompts < 0:
             raise ValueError("max_new_tokens and batch_size must be >= 1, num_prompts >= 0")
+        if self.sweep_repeats < 1:
+            raise ValueError("sweep_repeats must be >= 1")
         if any(g < 1 for g in self.sweep_fixed_gammas):
             raise ValueError("sweep_fixed_gammas must be chain lengths >= 1")
         if not self.temperatures or any(t < 0 for t in self.temperatures):

@@ -247,7 +247,7 @@ def run_eval(cfg: EvalConfig) -> dict:
                 return analyze_calls(logged[m.name], sweep_prompts, categories, cost, temperature=temp,
                                      measured_tokens_per_s=summary["tokens_per_s"])
 
-            extra = {"fixed_gammas": cfg.sweep_fixed_gammas,
+            extra = {"fixed_gammas": cfg.sweep_fixed_gammas, "repeats": cfg.sweep_repeats,
                      "oracle": oracle if cfg.oracle and temp == 0 else None} if kind == "batch_size" else {}
             rows = run_sweep(kind, target, methods, sweep_prompts, categories, values=values[kind],
                              tree_setting=cfg.tree_setting, temperature=temp, seed=cfg.seed, tree=cfg.tree_setting(),

@@ -41,7 +41,8 @@ results.json (schema_version 2; 2 added the oracle, adaptive fields and batch-sw
                      hindsight, method "<proposer>@best"} | adaptive {chosen_lengths,
                      chosen_parts, best_fixed, best_fixed_tokens_per_s, margin_vs_best_fixed =
                      tokens/s ratio - 1} | oracle {of, oracle: dict as above; derived, tokens_per_s
-                     in measured units, NOT a measurement}
+                     in measured units, NOT a measurement}; with sweep_repeats > 1 each measured
+                     row is its median-time repeat and carries tokens_per_s_repeats (every repeat)
     files            {tokens, markdown, plots: [...]}
 
 tokens.jsonl: one line per (temperature, method, prompt): {temperature, method, prompt, id,
@@ -172,13 +173,17 @@ def _sweep_charts(kind: str, rows: list[dict]) -> list[str]:
 
 def _note(r: dict) -> str:
     kind = r.get("kind")
+    spread = r.get("tokens_per_s_repeats")
+    rep = f"median of {len(spread)} runs ({min(spread):.1f}-{max(spread):.1f} tok/s)" if spread else ""
     if kind == "best_fixed":
-        return f"best fixed in hindsight: gamma {r['gamma']}"
-    if kind == "adaptive" and "margin_vs_best_fixed" in r:
-        return f"{r['margin_vs_best_fixed']:+.1%} vs {r['best_fixed']}"
-    if kind == "oracle":
+        note = f"best fixed in hindsight: gamma {r['gamma']}"
+    elif kind == "adaptive" and "margin_vs_best_fixed" in r:
+        note = f"{r['margin_vs_best_fixed']:+.1%} vs {r['best_fixed']}"
+    elif kind == "oracle":
         return "bound along the visited steps (cost model), not measured"
-    return ""
+    else:
+        note = ""
+    return "; ".join(x for x in (note, rep) if x)
 
 
 def _oracle_table(run: dict) -> list[str]:

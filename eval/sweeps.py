@@ -21,6 +21,11 @@ batch size, by `kind`:
     oracle      derived (T = 0, oracle on): the hindsight bound along the adaptive method's own
                 steps, in measured units (oracle.py); not a measurement
 
+With `repeats` > 1 every batch size runs that many times (each repeat the whole interleaved loop,
+adaptive proposers reset to cold before each), and each method's row is its median-time repeat,
+with every repeat's tokens/s in `tokens_per_s_repeats`: one short call at batch 16 (~10 s on a
+CPU) is at the mercy of the machine, the median of several is not.
+
 Deliberately not here: plotting (report.py), choosing the best setting for the user.
 """
 
@@ -63,7 +68,7 @@ def part_specs(name: str) -> list[str]:
 
 def run_sweep(kind: str, target, methods: list[Method], prompts: list[list[int]], categories: list[str], *,
               values: list[int], tree_setting, fixed_gammas: list[int] | None = None, oracle=None,
-              progress: bool = False, **run_kw) -> list[dict]:
+              repeats: int = 1, progress: bool = False, **run_kw) -> list[dict]:
     """Runs one sweep; returns rows {method, <kind>: value, tokens_per_s, speedup_vs_target, tau?}.
 
     Args:
@@ -75,6 +80,7 @@ def run_sweep(kind: str, target, methods: list[Method], prompts: list[list[int]]
         oracle: batch_size sweep: callable (adaptive Method, batch size, its summary) -> oracle dict
             or None (the harness re-runs the method untimed with step logs); adds an `oracle` row
             per adaptive method whose dict is applicable.
+        repeats: batch_size sweep: timed runs per batch size (median per method).
         progress: show a progress bar with ETA (one tick per generate call).
         **run_kw: forwarded to run_benchmark (max_new_tokens, temperature, eos, ...).
     """
@@ -85,7 +91,7 @@ def run_sweep(kind: str, target, methods: list[Method], prompts: list[list[int]]
     n = len(prompts)
     if kind == "batch_size":
         per_method = 1 + sum(len(fixed_gammas or [1]) if not m.adaptive else 1 for m in swept)
-        total = sum(-(-n // b) for b in values) * per_method
+        total = sum(-(-n // b) for b in values) * per_method * max(repeats, 1)
     else:
         total = n * (1 + len(swept) * len(values))
     temp = run_kw.get("temperature")
@@ -95,7 +101,7 @@ def run_sweep(kind: str, target, methods: list[Method], prompts: list[list[int]]
     try:
         if kind == "batch_size":
             return _batch_sweep(target, target_m, swept, prompts, categories, values, fixed_gammas or [], oracle,
-                                run_kw)
+                                max(repeats, 1), run_kw)
         return _value_sweep(kind, target, target_m, swept, prompts, categories, values, tree_setting, run_kw)
     finally:
         bar.close()
@@ -118,7 +124,7 @@ def _value_sweep(kind: str, target, target_m: Method, swept: list[Method], promp
 
 
 def _batch_sweep(target, target_m: Method, swept: list[Method], prompts, categories, values, fixed_gammas, oracle,
-                 run_kw) -> list[dict]:
+                 repeats, run_kw) -> list[dict]:
     run_kw.pop("batch_size", None)
     variants: list[tuple[Method, dict]] = []  # (method to run, row fields)
     for m in swept:
@@ -131,14 +137,20 @@ def _batch_sweep(target, target_m: Method, swept: list[Method], prompts, categor
             variants.append((m, {"kind": "proposer"}))
     rows: list[dict] = []
     for b in values:
-        for m, _ in variants:  # every batch size starts cold, so no point depends on the order
-            if hasattr(m.proposer, "reset"):
-                m.proposer.reset()
-        calls = run_benchmark(target, [target_m, *(v[0] for v in variants)], prompts, batch_size=b, **run_kw)
-        sums = {k: summarize(v, prompts, categories) for k, v in calls.items()}
+        runs: list[dict[str, dict]] = []
+        for _ in range(repeats):
+            for m, _ in variants:  # every batch size and repeat starts cold: no point depends on the order
+                if hasattr(m.proposer, "reset"):
+                    m.proposer.reset()
+            calls = run_benchmark(target, [target_m, *(v[0] for v in variants)], prompts, batch_size=b, **run_kw)
+            runs.append({k: summarize(v, prompts, categories) for k, v in calls.items()})
+        sums = {k: sorted((r[k] for r in runs), key=lambda x: x["wall_s"])[(len(runs) - 1) // 2] for k in runs[0]}
         base = sums["target"]
         point = [{"method": "target", "batch_size": b, "kind": "target", **_point(base, base)}]
         point += [{"method": m.name, "batch_size": b, **extra, **_point(sums[m.name], base)} for m, extra in variants]
+        if repeats > 1:
+            for r in point:
+                r["tokens_per_s_repeats"] = [x[r["method"]]["tokens_per_s"] for x in runs]
         best = _best_fixed(point, b)
         for r in point:
             if r["kind"] != "adaptive":

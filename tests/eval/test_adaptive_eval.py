@@ -85,6 +85,40 @@ def test_batch_sweep_picks_the_best_fixed_gamma_per_batch_size(monkeypatch):
     assert not any(r["method"].startswith("hf") for r in rows)
 
 
+def test_batch_sweep_repeats_report_the_median_and_start_cold(monkeypatch):
+    """Three repeats with one outlier each: every row is its median run, the margin compares
+    medians, every repeat is listed, and the adaptive proposer is reset before each repeat."""
+    walls = {"target": [10.0, 30.0, 11.0], "ngram@gamma=1": [5.0, 5.5, 50.0], "adaptive:ngram": [1.0, 4.0, 4.4]}
+    count = {"n": 0}
+
+    class Learner:
+        resets = 0
+
+        def reset(self):
+            self.resets += 1
+
+    learner = Learner()
+
+    def fake_run_benchmark(target, methods, prompts, *, batch_size, **kw):
+        i = count["n"]
+        count["n"] += 1
+        assert learner.resets == count["n"]
+        return {m.name: [Call(m.name, list(range(len(prompts))), [[1] * 10 for _ in prompts], walls[m.name][i])]
+                for m in methods}
+
+    monkeypatch.setattr(sweeps_mod, "run_benchmark", fake_run_benchmark)
+    methods = [Method("ngram", "engine", proposer=object()),
+               Method("adaptive:ngram", "engine", proposer=learner, adaptive=True)]
+    rows = run_sweep("batch_size", None, methods, [[5, 6]] * 2, ["chat", "code"], values=[16], tree_setting=None,
+                     fixed_gammas=[1], repeats=3, temperature=0.0, eos=[], max_new_tokens=10)
+    by = {r["method"]: r for r in rows}
+    assert count["n"] == 3
+    assert by["target"]["wall_s"] == 11.0 and by["ngram@gamma=1"]["wall_s"] == 5.5
+    assert by["adaptive:ngram"]["wall_s"] == 4.0
+    assert by["adaptive:ngram"]["margin_vs_best_fixed"] == pytest.approx(5.5 / 4.0 - 1)
+    assert by["adaptive:ngram"]["tokens_per_s_repeats"] == pytest.approx([20.0, 5.0, 20 / 4.4])
+
+
 @pytest.fixture(scope="module")
 def adaptive_report(model_dirs, tmp_path_factory):
     """One CLI run on the tiny target: n-gram, adaptive n-gram and the n-gram + draft-LM hybrid,
