@@ -459,3 +459,51 @@ def test_free_drafts_that_were_trimmed_still_teach_the_calibrator():
     assert stats[False].tau == 1.0  # stuck: drafted every step, verified nothing, learned nothing
     assert stats[True].tau > 2.0  # recovered (2.7): the oracle's drafts are right, and now verified
     assert stats[True].target_forwards < 0.5 * stats[False].target_forwards
+
+
+class TargetArgmax(Proposer):
+    """Drafts the target's own argmax after each row's prefix (deterministic: a function of the
+    prefix). At T = 1 verification accepts it with probability p(argmax) < 1."""
+
+    name = "argmax"
+
+    def __init__(self, model):
+        self.model = model
+
+    def propose(self, state):
+        with torch.no_grad():
+            x = torch.stack([self.model(torch.tensor([seq])).logits[0, -1].argmax() for seq in state.tokens])
+        g = state.gamma or 1
+        return chain_tree(state.root, x[:, None].expand(-1, g), confidence=torch.full((len(x), g), 0.5))
+
+    def select_rows(self, idx):
+        return True
+
+
+def test_shadow_evidence_estimates_acceptance_without_bias_when_sampling():
+    """T = 1: the acceptance rate learned only from unverified drafts scored against the emitted
+    tokens (the trim verifies nothing: a draft never pays under this cost model) equals the rate
+    verification itself measures, within 4.5 sigma of the two binomial estimates."""
+    model = target("llama", 16)
+    g = torch.Generator().manual_seed(3)
+    rows = [torch.randint(3, 16, (6,), generator=g) for _ in range(4)]
+    ids, mask = left_pad(rows)
+    never = CostModel({(b, t): 1.0 + 100.0 * (t - 1) for b in (1, 4) for t in (1, 2, 4, 8)}, {"argmax": {1: 0.0}})
+    shadow = AdaptiveProposer(TargetArgmax(model), never, max_gamma=1, explore_every=0,
+                              calibrator=AcceptanceCalibrator(decay=1.0))
+    n_shadow = a_shadow = n_real = a_real = 0
+    for seed in range(6):
+        out = speculative_generate(model, shadow, ids, attention_mask=mask, max_new_tokens=40, eos_token_id=[],
+                                   temperature=1.0, seed=seed)
+        assert out.stats.tau == 1.0  # nothing was verified
+        real = speculative_generate(model, TargetArgmax(model), ids, attention_mask=mask, max_new_tokens=40,
+                                    eos_token_id=[], temperature=1.0, gamma=1, seed=100 + seed)
+        n_real += real.stats.draft_counts[0]
+        a_real += real.stats.accept_counts[0]
+    cal = shadow.calibrators["argmax"]
+    n_shadow, a_shadow = float(cal.depth_n[0]), float(cal.depth_a[0])
+    assert n_shadow >= 900 and n_real >= 600
+    p_s, p_r = a_shadow / n_shadow, a_real / n_real
+    se = (p_s * (1 - p_s) / n_shadow + p_r * (1 - p_r) / n_real) ** 0.5
+    assert 0.1 < p_r < 0.9  # a real test: acceptance is neither sure nor hopeless
+    assert abs(p_s - p_r) < 4.5 * se, (p_s, p_r, se)
