@@ -524,6 +524,9 @@ class Scheduler(Proposer):
             draft_ms[i] = self._draft_ms(state, i, length) if run else 0.0
         choice = self._pick(state, self._scores(state, trees, p_nodes))  # [B] part index
         merged, p_merged = self._merge(trees, p_nodes, choice)
+        if state.room is not None and merged.size > 1:  # drafts the row cannot emit are worth nothing
+            d = merged.depths()
+            p_merged = torch.where(d > state.room.to(d.device)[:, None], 0.0, p_merged)
         kept_ids = None
         verified = merged
         if self.adaptive and merged.size > 1:

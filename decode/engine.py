@@ -64,6 +64,8 @@ class DecodeState:
         stats: the call's DecodeStats (adaptive / hybrid proposers record their choices there).
         rows: the caller's row (index into input_ids) of each batch row (finished rows leave the
             batch, see the module docstring).
+        room: [B] tokens each row may still emit (max_new_tokens minus what it emitted); a draft
+            deeper than room can never be emitted (the step's output is cut there).
     """
 
     target: nn.Module
@@ -83,6 +85,7 @@ class DecodeState:
     greedy_head: str = "argmax"
     stats: DecodeStats | None = None
     rows: list[int] | None = None
+    room: Tensor | None = None
 
 
 @dataclass
@@ -193,6 +196,8 @@ def accept(state: DecodeState, tree: DraftTree, result: VerifyResult, out: list[
     state.active = torch.tensor(active, device=state.active.device)
     state.root = torch.tensor([t[-1] for t in state.tokens], device=state.root.device)
     state.root_pos = torch.tensor([len(t) - 1 for t in state.tokens], device=state.root.device)
+    r = range(B) if rows is None else rows
+    state.room = torch.tensor([max_new_tokens - len(out[i]) for i in r], device=state.root.device)
 
 
 def _compact(state: DecodeState, proposer: Proposer | None) -> bool:
@@ -205,6 +210,8 @@ def _compact(state: DecodeState, proposer: Proposer | None) -> bool:
     keep = idx.tolist()
     state.tokens = [state.tokens[i] for i in keep]
     state.root, state.root_pos, state.active = state.root[idx], state.root_pos[idx], state.active[idx]
+    if state.room is not None:
+        state.room = state.room[idx]
     if isinstance(state.seed, Tensor):  # per-row seeds follow their rows
         state.seed = state.seed[idx]
     state.rows = [state.rows[i] for i in keep]
@@ -271,7 +278,7 @@ def speculative_generate(target: nn.Module, proposer: Proposer | None, input_ids
         root=input_ids[:, -1].clone(), root_pos=torch.tensor([len(t) - 1 for t in tokens], device=device),
         active=torch.ones(B, dtype=torch.bool, device=device), temperature=float(temperature),
         top_k=top_k, top_p=top_p, generator=generator, seed=seed, gamma=gamma, tree=parse_tree(tree), options=opts,
-        greedy_head=greedy_head,
+        greedy_head=greedy_head, room=torch.full((B,), max_new_tokens, dtype=torch.long, device=device),
     )
     stats = DecodeStats(per_row_tokens=[0] * B, per_row_forwards=[0] * B)
     state.stats = stats
