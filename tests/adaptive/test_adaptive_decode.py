@@ -400,6 +400,14 @@ def test_sampled_tokens_follow_the_target(kind):
         assert s.parts_run["draft-lm"] < s.target_forwards
 
 
+def pessimist_calibrator() -> AcceptanceCalibrator:
+    """A calibrator that has seen 72 rejected drafts at depths 1-6 (a cold start's bad first steps)."""
+    cal = AcceptanceCalibrator()
+    depth = torch.arange(1, 7).repeat(12)
+    cal.add(None, depth, torch.zeros_like(depth, dtype=torch.bool))
+    return cal
+
+
 def test_pessimistic_start_recovers_by_probing():
     """A cold start's early rejections must not stop drafting for good. The calibrator starts out
     convinced that nothing is accepted (as after a few rejected steps at high batch); the drafter
@@ -412,15 +420,9 @@ def test_pessimistic_start_recovers_by_probing():
     full = prompt.tolist() + reference(model, prompt, n_new)
     cost = CostModel({(1, t): 10.0 + 5.0 * (t - 1) for t in (1, 2, 4, 8)}, {"oracle": {1: 1.0}})
 
-    def pessimist() -> AcceptanceCalibrator:
-        cal = AcceptanceCalibrator()
-        depth = torch.arange(1, 7).repeat(12)
-        cal.add(None, depth, torch.zeros_like(depth, dtype=torch.bool))
-        return cal
-
     stats = {}
     for every in (0, 8):
-        proposer = AdaptiveProposer(Oracle(full), cost, max_gamma=6, calibrator=pessimist(), explore_every=every)
+        proposer = AdaptiveProposer(Oracle(full), cost, max_gamma=6, calibrator=pessimist_calibrator(), explore_every=every)
         for call in range(2):  # the calibrator carries over from call to call
             out = speculative_generate(model, proposer, prompt[None], max_new_tokens=n_new, eos_token_id=[])
             assert out.sequences == [full[len(prompt):]]
@@ -445,15 +447,9 @@ def test_free_drafts_that_were_trimmed_still_teach_the_calibrator():
     full = prompt.tolist() + reference(model, prompt, n_new)
     cost = CostModel({(1, t): 10.0 + 5.0 * (t - 1) for t in (1, 2, 4, 8)}, {"oracle": {1: 0.0}})
 
-    def pessimist() -> AcceptanceCalibrator:
-        cal = AcceptanceCalibrator()
-        depth = torch.arange(1, 7).repeat(12)
-        cal.add(None, depth, torch.zeros_like(depth, dtype=torch.bool))
-        return cal
-
     stats = {}
     for shadow in (False, True):
-        proposer = AdaptiveProposer(Oracle(full), cost, max_gamma=6, calibrator=pessimist(), explore_every=0,
+        proposer = AdaptiveProposer(Oracle(full), cost, max_gamma=6, calibrator=pessimist_calibrator(), explore_every=0,
                                     shadow=shadow)
         out = speculative_generate(model, proposer, prompt[None], max_new_tokens=n_new, eos_token_id=[])
         assert out.sequences == [full[len(prompt):]]
