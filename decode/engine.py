@@ -29,12 +29,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from numbers import Integral
 
 import torch
 from torch import Tensor, nn
 
 from drafttrain.decode.kv import KVState, target_forward
 from drafttrain.decode.proposers.base import Proposer
+from drafttrain.decode.sampling import row_seeds
 from drafttrain.decode.stats import DecodeStats
 from drafttrain.decode.tree import DraftTree, DynamicTree, StaticTree, parse_tree, root_only
 from drafttrain.decode.verify import VerifyResult, verify_greedy_ids, verify_tree
@@ -238,8 +240,10 @@ def speculative_generate(target: nn.Module, proposer: Proposer | None, input_ids
         temperature: 0 = greedy; > 0 = sampling (target and draft processed alike).
         top_k / top_p: sampling filters (0 / 1.0 = off).
         seed: keys sampled drafts and verification's counter-based draws per row, which makes
-            a row's output independent of the batch (its other rows, its size, compaction); an
-            int for every row, or one per row (a sequence or [B] tensor, like per-request seeds).
+            a row's output independent of the batch (its other rows, its size, compaction). An
+            int gives every caller row its own stream (`row_seeds`: row i is keyed by the seed and
+            i, so N copies of a prompt give N samples); a sequence or [B] tensor gives one seed
+            per row as it is (like per-request seeds: equal seeds, equal streams).
         eos_token_id: id or ids that end a row (included in its output); default: the target
             config's eos_token_id.
         gamma: chain length (drafts per step) for chain proposers.
@@ -266,12 +270,14 @@ def speculative_generate(target: nn.Module, proposer: Proposer | None, input_ids
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     eos = _eos_set(target, eos_token_id)
-    if seed is not None and not isinstance(seed, int):
+    if isinstance(seed, Integral) or (isinstance(seed, Tensor) and seed.dim() == 0):
+        seed = row_seeds(int(seed), B, device)  # one stream per caller row, not one shared by all
+    elif seed is not None:
         seed = torch.as_tensor(seed, dtype=torch.long, device=device).reshape(-1)
         if seed.numel() != B:
             raise ValueError(f"seed has {seed.numel()} values for {B} rows; give one int or one per row")
     if generator is None and seed is not None:
-        generator = torch.Generator(device=device).manual_seed(int(seed) if isinstance(seed, int) else int(seed[0]))
+        generator = torch.Generator(device=device).manual_seed(int(seed[0]))
     tokens = [row[m.bool()].tolist() for row, m in zip(input_ids, attention_mask)]
     state = DecodeState(
         target=target, kv=KVState.for_model(target, B, device), tokens=tokens,

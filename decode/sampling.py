@@ -30,6 +30,7 @@ __all__ = [
     "counter_exponential",
     "exponential_race",
     "keyed_categorical",
+    "row_seeds",
     "STREAM_ACCEPT",
     "STREAM_EMIT",
     "STREAM_DRAFT",
@@ -144,6 +145,25 @@ def _hash32(x: Tensor) -> Tensor:
     x = x ^ (x >> 15)
     x = _mul32(x, 0x31848BAB)
     return x ^ (x >> 14)
+
+
+# Stride between the seeds of consecutive rows under one int seed (2^64 / golden ratio, odd), so
+# that seed s and seed s + 1 do not share rows the way `s + row` would.
+_ROW_STRIDE = 0x9E3779B97F4A7C15
+_M64 = (1 << 64) - 1
+
+
+def row_seeds(seed: int, rows: int, device: torch.device | str = "cpu") -> Tensor:
+    """[rows] int64 per-row seeds derived from one int seed: row i gets seed + i * stride (mod 2^64).
+
+    One int seed for a batch must give each of the caller's rows its own random stream: callers
+    send N copies of a prompt for best-of-N, pass@k or data regeneration and expect N samples.
+    Row 0 keeps ``seed`` itself, so a single-row call means what it always meant. The derived seeds
+    are keyed by the caller's row index, never by a row's place in a compacted batch.
+    """
+    vals = [((seed + i * _ROW_STRIDE) & _M64) for i in range(rows)]
+    vals = [v - (1 << 64) if v >= 1 << 63 else v for v in vals]  # as signed int64
+    return torch.tensor(vals, dtype=torch.long, device=device)
 
 
 def _row_key(seed: int | Tensor, position: Tensor, stream: int) -> Tensor:

@@ -185,7 +185,7 @@ def _within(counts: torch.Tensor, probs: torch.Tensor, n: int) -> bool:
     return bool(((counts - np_).abs() <= 6 * (np_ * (1 - probs)).sqrt() + 5).all())
 
 
-@pytest.mark.parametrize("rng", ["generator", "per-row seeds"])
+@pytest.mark.parametrize("rng", ["generator", "per-row seeds", "one int seed"])
 @pytest.mark.parametrize("kind", ["draft-lm-chain", "early-exit-dynamic"])
 def test_sampled_first_and_second_token_follow_the_target(kind, rng):
     V, n = 16, 1500
@@ -200,13 +200,40 @@ def test_sampled_first_and_second_token_follow_the_target(kind, rng):
         proposer, tree = load_proposer(tiny_target("llama", vocab_size=V, seed=3, num_layers=1), model), None
     else:
         proposer, tree = load_proposer("early-exit:2", model), "dynamic"
-    # one seed for every row would give identical prompts identical draws (keys are (seed,
-    # position): outputs independent of the batch), so: a shared generator, or one seed per row
-    rand = dict(generator=torch.Generator().manual_seed(123)) if rng == "generator" else \
-        dict(seed=torch.arange(n) + 10_000)
+    # n copies of one prompt: a shared generator, one seed per row, or one int seed (which must
+    # give every row its own stream: rows keyed by the seed and the caller's row index)
+    rand = {"generator": dict(generator=torch.Generator().manual_seed(123)),
+            "per-row seeds": dict(seed=torch.arange(n) + 10_000), "one int seed": dict(seed=7)}[rng]
     out = speculative_generate(model, proposer, ids.expand(n, -1), max_new_tokens=2, temperature=1.0,
                                gamma=2, tree=tree, eos_token_id=[], **rand)
     seqs = torch.tensor(out.sequences)  # [n, 2]
     assert _within(torch.bincount(seqs[:, 0], minlength=V).float(), p1, n)
     assert _within(torch.bincount(seqs[:, 1], minlength=V).float(), p2, n)
+    joint = (p1[:, None] * p2_given).reshape(-1)  # [V * V] law of (first, second)
+    assert _within(torch.bincount(seqs[:, 0] * V + seqs[:, 1], minlength=V * V).float(), joint, n)
     assert out.stats.accept_counts and out.stats.accept_counts[0] > 0  # drafts were actually used
+
+
+def test_one_int_seed_gives_each_row_its_own_reproducible_stream():
+    """64 copies of a prompt with seed=7 are 64 samples (best-of-N, pass@k), not one sample 64
+    times; the same call gives the same rows, and a row does not depend on the other rows."""
+    V, n = 16, 64
+    model = tiny_target("llama", vocab_size=V)
+    proposer = load_proposer(tiny_target("llama", vocab_size=V, seed=3, num_layers=1), model)
+    ids = torch.tensor([5, 9, 3, 12]).repeat(n, 1)
+
+    def run(prompts):
+        return speculative_generate(model, proposer, prompts, max_new_tokens=8, temperature=1.0, gamma=2,
+                                    eos_token_id=[], seed=7).sequences
+
+    first = run(ids)
+    assert len({tuple(r) for r in first}) >= n - 2  # 16^8 outcomes: repeats would be a shared stream
+    assert run(ids) == first
+    other = ids.clone()
+    other[1::2] = torch.tensor([1, 2, 3, 4])  # change every odd row's prompt
+    again = run(other)
+    assert again[0::2] == first[0::2] and again[1::2] != first[1::2]
+    # a list of per-row seeds keeps its meaning: equal seeds, equal streams
+    same = speculative_generate(model, proposer, ids[:4], max_new_tokens=8, temperature=1.0, gamma=2,
+                                eos_token_id=[], seed=[7, 7, 7, 7]).sequences
+    assert same[0] == same[1] == same[2] == same[3] == first[0]
