@@ -129,14 +129,46 @@ torch.set_num_threads(1)
 g = torch.Generator().manual_seed(0)
 res = {}
 
+def exact_ints(*shape):
+    # small integers: every product and partial sum of a dot over H <= 64 is exact in float32
+    # (and the inputs exact in bf16), so logits do not depend on the reduction's summation order
+    # (the Triton interpreter sums tl.dot in numpy's BLAS, whose order depends on the machine:
+    # OPENBLAS_CORETYPE=Haswell changed it). Many logits tie: the lowest-id rule is exercised too.
+    return torch.randint(-1, 2, shape, generator=g).float()
+
 def greedy_case(name, M, V, H, softcap=None, dtype=torch.float32, tie=False):
-    h = torch.randn(M, H, generator=g).to(dtype)
-    w = torch.randn(V, H, generator=g).to(dtype)
-    if tie:  # the same best row at three ids in three different vocab blocks
-        w[[V - 3, 5, 200]] = (h[0].float() * 10).to(dtype)
+    h = exact_ints(M, H).to(dtype)
+    w = exact_ints(V, H).to(dtype)
+    if tie:  # the same best row at three ids in three different vocab blocks: 2|h0|^2 beats any
+        w[[V - 3, 5, 200]] = (h[0].float() * 2).to(dtype)  # other row's <= sum|h0|
     a = greedy_lm_head_argmax_ref(h, w, softcap, chunk=97)
     b = greedy_lm_head_argmax_triton(h, w, softcap)
     res[name] = [a.tolist(), b.tolist()]
+    res[name + "_ties"] = int(((h.float() @ w.float().T) == (h.float() @ w.float().T).amax(-1, keepdim=True))
+                              .sum(-1).gt(1).sum())
+
+def margins(lg, x, q, temp, u, e):
+    # Smallest relative distance of any outcome from its decision boundary, in float64.
+    # The two implementations compute p in float32 through different reductions (an online
+    # softmax in blocks vs torch.softmax): they agree to ~1e-6 relative, so an accept test
+    # u * q(x) < p(x) or a race argmax(r / E) can only differ between them when the data sit
+    # within that distance of a boundary. The test asserts the data keep well clear of it, so
+    # parity cannot hold (or fail) by luck of summation order.
+    p = torch.softmax(lg.double() / temp, -1)
+    has = x >= 0
+    xi = x.clamp_min(0)[..., None]
+    p_x = p.gather(-1, xi)[..., 0]
+    if q is None:
+        q_x, r = torch.ones_like(p_x), p.scatter(-1, xi, 0.0)
+    else:
+        qq = torch.cat([q.double(), q.new_zeros(q.shape[0], lg.shape[1] - q.shape[1], lg.shape[2]).double()], 1)
+        q_x, r = qq.gather(-1, xi)[..., 0], (p - qq).clamp_min(0)
+    acc = ((u * q_x - p_x).abs() / p_x)[has]
+    r = torch.where(has[..., None], r, p)
+    top2 = (r / e.double()[:, None, :]).topk(2, -1).values
+    race = (top2[..., 0] - top2[..., 1]) / top2[..., 0]
+    emitted = ~(has & (u * q_x < p_x)) & (top2[..., 0] > 1e-6)  # where a residual token can be emitted
+    return [float(acc.min()) if acc.numel() else 1.0, float(race[emitted].min())]
 
 greedy_case("greedy_1031", 5, 1031, 64)
 greedy_case("greedy_257", 8, 257, 64)
@@ -159,6 +191,7 @@ def rej_case(name, B, K, V, temp, with_q, mask=False, equal=False):
     a = rejection_sample_ref(lg, x, q, temp, u, e)
     b = rejection_sample_triton(lg, x, q, temp, u, e, block_v=128)
     res[name] = [[a[0].tolist(), a[1].tolist()], [b[0].tolist(), b[1].tolist()]]
+    res[name + "_margins"] = margins(lg, x, q, temp, u, e)
 
 rej_case("rej_q_257", 2, 4, 257, 0.7, True)
 rej_case("rej_det_1031", 2, 3, 1031, 1.3, False)
@@ -175,6 +208,10 @@ a = verify_chain(lg, d, q, impl="ref", **kw)
 b = verify_chain(lg, d, q, impl="triton", **kw)
 res["verify_chain"] = [[a.accepted.tolist(), a.next_token.tolist()], [b.accepted.tolist(), b.next_token.tolist()]]
 res["verify_chain_accepts"] = int(a.num_accepted.sum())
+from drafttrain.decode.verify import _draw
+u, e = _draw(B, gamma + 1, V, torch.device("cpu"), None, 42, kw["positions"])
+xb = torch.cat([d, d.new_full((B, 1), -1)], 1)
+res["verify_chain_margins"] = margins(lg, xb, q, 1.0, torch.cat([u[:, 1:], u.new_zeros(B, 1)], 1), e)
 print(json.dumps(res))
 """
 
@@ -190,6 +227,7 @@ def parity() -> dict:
 def test_greedy_triton_matches_ref(parity, case):
     ref, tri = parity[case]
     assert ref == tri
+    assert parity[case + "_ties"] > 0  # integer logits tie somewhere: the lowest-id rule is tested
     if case == "greedy_tie":
         assert ref[0] == 5  # lowest of the tied ids
 
@@ -206,6 +244,7 @@ def test_rejection_triton_matches_ref(parity, case):
         emitted = [i for i, a in enumerate(acc_row) if not a]
         assert [ref_row[i] for i in emitted] == [tri_row[i] for i in emitted]
     assert any(not a for row in ref_acc for a in row[:-1]) or case == "rej_equal"
+    assert min(parity[case + "_margins"]) > 1e-4  # no outcome within rounding of its boundary
     ref = (ref_acc, ref_tok)
     if case == "rej_equal":
         assert all(all(row[:-1]) for row in ref[0])  # p == q: every draft accepted
@@ -216,6 +255,7 @@ def test_verify_chain_triton_route_matches_ref(parity):
     ref, tri = parity["verify_chain"]
     assert ref == tri
     assert 0 < parity["verify_chain_accepts"] < 8 * 3
+    assert min(parity["verify_chain_margins"]) > 1e-4
 
 
 # ---------------------------------------------------------------------------------------------
