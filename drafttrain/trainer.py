@@ -42,6 +42,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from drafttrain.config import dump_yaml, to_dict
+from drafttrain.progress import keep_alive
 from drafttrain.schema import TrainConfig
 
 
@@ -236,11 +237,14 @@ def batch_features(cfg: TrainConfig, target, batch: dict, spec) -> dict:
 
 @torch.no_grad()
 def evaluate(cfg: TrainConfig, drafter, target, loader, spec, accelerator) -> dict:
+    from tqdm.auto import tqdm
+
     raw = accelerator.unwrap_model(drafter)
     was_training = raw.training
     raw.eval()
     m = StepMetrics()
-    for batch in loader:
+    for batch in tqdm(loader, desc="held-out eval", unit="batch", leave=False, dynamic_ncols=True,
+                      disable=not accelerator.is_main_process):
         batch = {k: v.to(accelerator.device) for k, v in batch.items()}
         feats = batch_features(cfg, target, batch, spec)
         with accelerator.autocast():
@@ -641,6 +645,7 @@ def train(cfg: TrainConfig) -> dict:
 
     state = {"step": 0, "epoch": 0, "micro_in_epoch": 0, "tokens": 0, "train_time_s": 0.0,
              "best_tau_sim": None}
+    resumed_from = None
     if cfg.train.resume:
         ck = latest_checkpoint(run_dir)
         if ck is None:
@@ -649,6 +654,7 @@ def train(cfg: TrainConfig) -> dict:
             accelerator.load_state(str(ck))
             scheduler.load_state_dict(torch.load(ck / "scheduler_lambda.pt", weights_only=True))
             state = json.loads((ck / "trainer_state.json").read_text())
+            resumed_from = state["step"]
             log(accelerator, f"drafttrain: resumed from {ck} (step {state['step']}, epoch {state['epoch']})")
 
     tracker = make_tracker(cfg.tracking, is_main=accelerator.is_main_process, project=cfg.wandb.project,
@@ -683,7 +689,7 @@ def train(cfg: TrainConfig) -> dict:
     t_loop = time.time() - state["train_time_s"]
     stopped_early = False
     drafter.train()
-    with _StopFlag() as stop:
+    with _StopFlag() as stop, keep_alive(bar):  # the bar's clock moves during long steps too
         while state["step"] < total_steps and not stopped_early:
             sampler.set_epoch(state["epoch"])
             it = accelerator.skip_first_batches(loader, state["micro_in_epoch"]) if state["micro_in_epoch"] else loader
@@ -764,7 +770,10 @@ def train(cfg: TrainConfig) -> dict:
     bar.close()
 
     # ---- final eval + save ---------------------------------------------------------------------
+    log(accelerator, f"drafttrain: saving the final checkpoint (step {state['step']})")
     save_checkpoint(accelerator, run_dir, state, scheduler, cfg.train.keep_checkpoints)
+    if held_loader:
+        log(accelerator, f"drafttrain: held-out evaluation ({len(held_ds)} records)")
     final_eval = evaluate(cfg, drafter, target, held_loader, spec, accelerator) if held_loader else {}
     if cfg.train.decode_eval_final and decode_prompts and accelerator.is_main_process:
         log(accelerator, f"drafttrain: decoding {len(decode_prompts)} held-out prompts with the drafter (real tau)")
@@ -785,11 +794,14 @@ def train(cfg: TrainConfig) -> dict:
         "device": str(accelerator.device),
         **{k: round(v, 4) for k, v in final_eval.items()},
     }
+    if resumed_from is not None:
+        summary["resumed_from_step"] = resumed_from
     if state.get("best_decode_tau") is not None:
         summary["best_decode_tau"] = round(state["best_decode_tau"], 4)
         summary["best_drafter_dir"] = str(run_dir / "best_drafter")
         summary["best_decode_step"] = state.get("best_decode_step")
     if accelerator.is_main_process:
+        log(accelerator, f"drafttrain: writing the drafter folder {run_dir / 'drafter'}")
         extra_fields, write_extra = drafter_extras(cfg, raw, target, train_ds, held_ds, tokenizer, pad)
         if cfg.method in MEDUSA:
             summary["tree_choices"] = extra_fields["tree_choices"]

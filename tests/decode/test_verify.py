@@ -338,13 +338,35 @@ def test_malformed_inputs_raise():
         verify_chain(logits, torch.zeros(1, 2, dtype=torch.long), temperature=1.0, impl="cuda")
 
 
-def test_typical_acceptance_is_a_threshold():
-    # p after root: 0.9 on token 0 -> low entropy -> threshold min(0.09, 0.3 e^-H) well below 0.9
-    logits = torch.log(torch.tensor([[[0.9, 0.05, 0.05], [1 / 3, 1 / 3, 1 / 3]]]))
-    acc = verify_chain(logits, torch.tensor([[0]]), temperature=1.0, typical=(0.09, 0.3))
-    rej = verify_chain(logits, torch.tensor([[1]]), temperature=1.0, typical=(0.09, 0.3))
-    assert acc.num_accepted.item() == 1 and rej.num_accepted.item() == 0
-    assert "LOSSY" in verify_tree.__doc__
+@pytest.mark.parametrize("p", [[0.9, 0.05, 0.05],  # low entropy: eps = 0.09 is the threshold
+                               [0.4, 0.3, 0.2, 0.095, 0.005],  # delta e^-H = 0.0818 < eps
+                               [0.05] * 19 + [0.05 - 1e-3, 1e-3]])  # near-uniform: 0.3 e^-H ~ 0.015
+def test_typical_acceptance_is_a_threshold(p):
+    """Typical acceptance keeps a draft x iff p(x) > min(eps, delta * exp(-H(p))), computed here by
+    hand in float64 for every token of the vocabulary; each case has tokens on both sides."""
+    eps, delta = 0.09, 0.3
+    probs = torch.tensor(p, dtype=torch.float64)
+    threshold = min(eps, delta * math.exp(-float(-(probs * probs.log()).sum())))
+    want = [bool(x > threshold) for x in p]
+    assert any(want) and not all(want)
+    V = len(p)
+    logits = torch.log(probs.float()).expand(V, 2, V)  # one row per drafted token
+    res = verify_chain(logits, torch.arange(V)[:, None], temperature=1.0, typical=(eps, delta))
+    assert res.num_accepted.bool().tolist() == want
+
+
+def test_typical_acceptance_is_lossy():
+    """What a user must know before turning it on: with p = (0.5, 0.3, 0.2) a deterministic draft
+    of token 1 is kept every time (0.3 > 0.09), while lossless verification keeps it with
+    probability p(1) = 0.3 -- typical acceptance changes the output law."""
+    n, p = 2000, torch.tensor([0.5, 0.3, 0.2])
+    logits = torch.log(p).expand(n, 2, 3)
+    drafts = torch.ones(n, 1, dtype=torch.long)
+    typical = verify_chain(logits, drafts, temperature=1.0, typical=(0.09, 0.3))
+    exact = verify_chain(logits, drafts, temperature=1.0, generator=torch.Generator().manual_seed(0))
+    assert int(typical.num_accepted.sum()) == n
+    kept = int(exact.num_accepted.sum())
+    assert abs(kept - 0.3 * n) <= 6 * math.sqrt(n * 0.3 * 0.7) + 5
 
 
 # ---------------------------------------------------------------------------------------------

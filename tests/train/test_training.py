@@ -116,13 +116,18 @@ def test_prepare_resumes_after_partial_run(target_dirs, chat_file, tmp_path):
 
 
 def test_stop_and_resume_equals_uninterrupted(target_dirs, chat_file, tmp_path):
+    """Killed after step 5 (stop_after exits without saving, like a kill): the run resumes from the
+    step-3 checkpoint, redoes steps 4-5 with the same data order and RNG, and ends where an
+    uninterrupted run ends."""
     common = ("train.max_steps=6", "train.save_every=3", "train.lr=3e-3", "train.batch_size=2", "seed=3")
-    train(cfg_for(target_dirs["qwen3"], chat_file, tmp_path / "straight", *common))
-    out = train(cfg_for(target_dirs["qwen3"], chat_file, tmp_path / "resumed", *common, "train.stop_after=3"))
-    assert out == {"stopped_at": 3}
+    straight = train(cfg_for(target_dirs["qwen3"], chat_file, tmp_path / "straight", *common))
+    assert "resumed_from_step" not in straight
+    out = train(cfg_for(target_dirs["qwen3"], chat_file, tmp_path / "resumed", *common, "train.stop_after=5"))
+    assert out == {"stopped_at": 5}
     assert not (tmp_path / "resumed" / "drafter").exists()
+    assert [p.name for p in (tmp_path / "resumed" / "checkpoints").glob("step-*")] == ["step-0000003"]
     summary = train(cfg_for(target_dirs["qwen3"], chat_file, tmp_path / "resumed", *common, "train.resume=true"))
-    assert summary["steps"] == 6
+    assert summary["resumed_from_step"] == 3 and summary["steps"] == 6
     a, b = weights(tmp_path / "straight"), weights(tmp_path / "resumed")
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6)
@@ -177,14 +182,32 @@ def test_target_drafter_mismatch_error(target_dirs, chat_file, tmp_path):
     assert "hidden_size 64 vs 32" in msg and len(msg.splitlines()) == 1
 
 
-def test_decoding_eval_in_training_keeps_the_best_drafter(target_dirs, chat_file, tmp_path):
-    summary = train(cfg_for(target_dirs["gemma3"], chat_file, tmp_path / "run", "train.max_steps=2",
+def test_decoding_eval_in_training_keeps_the_best_drafter(target_dirs, chat_file, tmp_path, monkeypatch):
+    """The real decoding eval runs every step; the drafter of the step with the best tau (not the
+    last one) is kept in best_drafter. Taus are scripted on top of the real eval (a 3-step tiny
+    drafter accepts nothing, so every real tau ties at 1.0 and any step would look "best")."""
+    import drafttrain.trainer
+
+    real, calls = drafttrain.trainer.decode_eval, []
+    scripted = [1.2, 1.5, 1.1, 1.1]  # steps 1, 2, 3, then the final eval
+
+    def fake(*args, **kwargs):
+        out = real(*args, **kwargs)
+        calls.append(out["eval/decode_tau"])
+        return {**out, "eval/decode_tau": scripted[len(calls) - 1]}
+
+    monkeypatch.setattr(drafttrain.trainer, "decode_eval", fake)
+    summary = train(cfg_for(target_dirs["gemma3"], chat_file, tmp_path / "run", "train.max_steps=3",
                             "train.decode_eval_every=1", "train.decode_eval_prompts=2",
-                            "train.decode_eval_tokens=8", "train.decode_eval_gamma=3"))
-    assert summary["eval/decode_tau"] >= 1.0  # real decoding: at least the bonus token per forward
-    assert summary["best_decode_step"] in (1, 2)
+                            "train.decode_eval_tokens=8", "train.decode_eval_gamma=3", "train.lr=3e-3"))
+    assert len(calls) == 4 and all(1.0 <= t <= 4.0 for t in calls)  # real taus: 1 .. gamma + 1
+    assert summary["best_decode_step"] == 2 and summary["best_decode_tau"] == pytest.approx(1.5)
+    assert summary["eval/decode_tau"] == pytest.approx(1.1)  # the final eval, reported as such
     best = json.loads((tmp_path / "run" / "best_drafter" / "config.json").read_text())
-    assert best["metrics"]["eval/decode_tau"] == pytest.approx(summary["best_decode_tau"], abs=1e-3)
+    assert best["metrics"]["step"] == 2 and best["metrics"]["eval/decode_tau"] == pytest.approx(1.5)
+    final = weights(tmp_path / "run")
+    kept = load_file(str(tmp_path / "run" / "best_drafter" / "model.safetensors"))
+    assert any(not torch.equal(final[k], kept[k]) for k in final)  # step 2's weights, not step 3's
 
 
 def test_cpu_threads_use_the_machine_not_accelerates_one(monkeypatch):
