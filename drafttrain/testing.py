@@ -182,10 +182,10 @@ def save_tiny_run_root(root, *, family: str = "llama", num_layers: int = 4, n_re
     return root
 
 
-def strong_draft_lm(seed: int = 3, noise: float = 0.002):
-    """A tiny Llama target copy with Gaussian weight noise (std `noise`): as a draft LM of
-    `tiny_target("llama")` its drafts are accepted often, not always (random tiny drafters almost never are)."""
-    model = tiny_target("llama")
+def strong_draft_lm(seed: int = 3, noise: float = 0.002, family: str = "llama"):
+    """A tiny target copy with Gaussian weight noise (std `noise`): as a draft LM of
+    `tiny_target(family)` its drafts are accepted often, not always (random tiny drafters almost never are)."""
+    model = tiny_target(family)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in model.parameters():
