@@ -20,6 +20,7 @@ import time
 import torch
 
 from drafttrain.decode import load_proposer, speculative_generate
+from drafttrain.decode.proposers import check_specs
 
 PROMPTS = [
     "Rewrite this Python function with type hints and a docstring, keeping the logic the same:\n\n"
@@ -87,6 +88,10 @@ def run(model, proposer, prompts, args) -> dict:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    try:  # before the target loads: a bad spec costs a second, not a load
+        check_specs([m for m in args.methods.split(",") if m != "none"])
+    except ValueError as e:
+        raise SystemExit(f"decode_cpu: {e}") from None
     if args.threads:
         torch.set_num_threads(args.threads)
     from drafttrain.targets import load_target

@@ -86,8 +86,10 @@ def run_profile(cfg: ProfileConfig):
 
     from drafttrain.decode import load_proposer
     from drafttrain.decode.costmodel import load_or_measure, proposer_key
+    from drafttrain.decode.proposers import check_specs
     from drafttrain.targets import load_target
 
+    check_specs(cfg.proposers)  # ConfigError before the target loads
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     device = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")

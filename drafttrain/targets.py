@@ -201,7 +201,7 @@ def hub_unreachable() -> str:
     if var:
         return f"offline mode is on: {var}={os.environ[var]}"
     host = _hub_host()
-    return "" if _reachable(*host) else f"{host[0]} cannot be reached (no network)"
+    return "" if _reachable(*host) else f"{host[0]} cannot be reached"
 
 
 def _hub_host() -> tuple[str, int]:

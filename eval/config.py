@@ -35,7 +35,7 @@ class EvalConfig:
     recipe: str = field_("", help="optional YAML file with any of these keys")
     target: str = field_("gemma-3-270m", help="target: packaged alias, HF hub id, local folder or .gguf file")
     dtype: str = field_("bfloat16", help="target dtype", choices=("auto", "bfloat16", "float32", "float16"))
-    proposers: list[str] = field_(default_factory=lambda: ["ngram"], help="comma list: ngram[:N], corpus:FILE, early-exit:K, drafter folder, draft-LM id/path, adaptive:<spec>, hybrid:<a>+<b>; each spec names its method")
+    proposers: list[str] = field_(default_factory=lambda: ["ngram"], help="comma list: ngram[:N], corpus:FILE, early-exit:K, drafter folder, draft-LM id/path, adaptive:<spec>, hybrid:<a>+<b>; each spec names its method; all are checked before the target loads (a hub id needs network or the local HF cache)")
     baselines: list[str] = field_(default_factory=lambda: ["target", "hf", "hf_lookup", "hf_assisted"], help=f"comma list of {', '.join(BASELINES)}; hf_assisted runs only when a draft LM is known")
     assistant: str = field_("", help="draft LM for hf_assisted (default: the first draft-LM proposer)")
     bench: str = field_("mtbench", help="mtbench | humaneval | mixed (MT-bench chat + HumanEval code, interleaved) | heldout | .jsonl of prompts (`prompt` or `messages`)")

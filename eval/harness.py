@@ -1,5 +1,6 @@
 """`drafttrain eval` top to bottom: load, build methods, run interleaved, sweep, check, report.
 
+    check_inputs       every proposer spec checked before anything loads (decode/proposers/specs.py)
     target, tokenizer  <- drafttrain.targets.load_target(cfg.target, dtype=cfg.dtype)
     prompts            <- benchmarks.load_benchmark (training template)
     methods            <- target-only, each proposer (adaptive / hybrid too), HF plain / lookup / assisted
@@ -22,7 +23,8 @@ from pathlib import Path
 
 import torch
 
-from drafttrain.config import to_dict
+from drafttrain.config import ConfigError, to_dict
+from drafttrain.decode.proposers import check_spec
 from drafttrain.eval.benchmarks import load_benchmark
 from drafttrain.eval.config import EvalConfig, EvalError
 from drafttrain.eval.metrics import add_prompt_speedups, add_speedups, summarize, theory
@@ -31,7 +33,7 @@ from drafttrain.eval.report import SCHEMA_VERSION, TAU_CONVENTION, write_report
 from drafttrain.eval.runner import Method, eos_ids, greedy_check, log_pass, run_benchmark, run_call
 from drafttrain.eval.sweeps import run_sweep
 
-__all__ = ["run_eval", "build_methods", "machine_info", "is_adaptive", "cost_model_for", "add_oracle"]
+__all__ = ["run_eval", "check_inputs", "build_methods", "machine_info", "is_adaptive", "cost_model_for", "add_oracle"]
 
 ADAPTIVE_PREFIXES = ("adaptive:", "hybrid:", "adaptive-hybrid:")
 
@@ -39,6 +41,28 @@ ADAPTIVE_PREFIXES = ("adaptive:", "hybrid:", "adaptive-hybrid:")
 def is_adaptive(spec: str) -> bool:
     """Adaptive and hybrid specs choose their own length / part per step (no fixed gamma sweep)."""
     return spec.startswith(ADAPTIVE_PREFIXES)
+
+
+def check_inputs(cfg: EvalConfig) -> None:
+    """What can be checked before any model loads: every proposer spec (method known, folders and
+    files there, no hub id when the Hub cannot be reached), the assistant, duplicates, cost_model=.
+
+    Raises:
+        EvalError: one line naming the bad spec or file and the accepted forms.
+    """
+    try:
+        for spec in cfg.proposers:
+            check_spec(spec)
+        if cfg.assistant:
+            check_spec(cfg.assistant, what="assistant")
+    except ConfigError as e:
+        raise EvalError(str(e)) from None
+    twice = next((s for i, s in enumerate(cfg.proposers) if s in cfg.proposers[:i]), None)
+    if twice is not None:
+        raise EvalError(f"proposer {twice!r} is listed twice")
+    uses_costs = cfg.oracle or any(is_adaptive(s) for s in cfg.proposers)
+    if cfg.cost_model and uses_costs and not Path(cfg.cost_model).is_file():
+        raise EvalError(f"cost_model {cfg.cost_model!r}: no such file (write one with `drafttrain profile`)")
 
 
 def build_methods(cfg: EvalConfig, target, tokenizer) -> tuple[list[Method], dict[str, str]]:
@@ -168,6 +192,42 @@ def _log_run(tracker, run: dict, step: int) -> None:
     tracker.log(metrics, step=step)
 
 
+def _run_sweeps(cfg: EvalConfig, target, methods: list[Method], prompts: list[list[int]], categories: list[str],
+                cost, kw: dict) -> dict[str, list[dict]]:
+    """Every sweep of `cfg.sweeps` at every temperature: kind -> rows (eval/sweeps.py)."""
+    sweeps: dict[str, list[dict]] = {}
+    sweep_prompts = prompts[: cfg.sweep_prompts] if cfg.sweep_prompts else prompts
+    values = {"gamma": cfg.sweep_gammas, "tree_budget": cfg.sweep_budgets, "batch_size": cfg.sweep_batch_sizes}
+    for kind in cfg.sweeps:
+        for temp in cfg.temperatures:
+            def oracle(m, b, summary, temp=temp):
+                logged = log_pass(target, [m], sweep_prompts, batch_size=b, temperature=temp, seed=cfg.seed,
+                                  tree=cfg.tree_setting(), **kw)
+                return analyze_calls(logged[m.name], sweep_prompts, categories, cost, temperature=temp,
+                                     measured_tokens_per_s=summary["tokens_per_s"])
+
+            extra = {"fixed_gammas": cfg.sweep_fixed_gammas, "repeats": cfg.sweep_repeats,
+                     "oracle": oracle if cfg.oracle and temp == 0 else None} if kind == "batch_size" else {}
+            rows = run_sweep(kind, target, methods, sweep_prompts, categories, values=values[kind],
+                             tree_setting=cfg.tree_setting, temperature=temp, seed=cfg.seed, tree=cfg.tree_setting(),
+                             progress=cfg.progress, **extra, **kw)
+            sweeps.setdefault(kind, []).extend({"temperature": temp, **r} for r in rows)
+    return sweeps
+
+
+def _report_header(cfg: EvalConfig, info, bench, prompts: list[list[int]], categories: list[str]) -> dict:
+    """The report's schema, config, machine, target and benchmark fields."""
+    return {
+        "schema_version": SCHEMA_VERSION, "tau_convention": TAU_CONVENTION,
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "config": to_dict(cfg), "machine": machine_info(),
+        "target": {"spec": cfg.target, "dtype": info.dtype, "source": info.source, "path": info.path},
+        "benchmark": {"name": cfg.bench, "num_prompts": len(bench),
+                      "categories": {c: categories.count(c) for c in sorted(set(categories))},
+                      "prompt_tokens_mean": sum(map(len, prompts)) / len(prompts)},
+    }
+
+
 def run_eval(cfg: EvalConfig) -> dict:
     """Runs the whole evaluation described by `cfg` and writes the report; returns results."""
     from tqdm.auto import tqdm
@@ -175,6 +235,7 @@ def run_eval(cfg: EvalConfig) -> dict:
     from drafttrain.targets import load_target
     from drafttrain.tracking import make_tracker
 
+    check_inputs(cfg)  # seconds, where a bad spec found after the target load would cost a load
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     target, tokenizer, info = load_target(cfg.target, dtype=cfg.dtype)
@@ -236,34 +297,10 @@ def run_eval(cfg: EvalConfig) -> dict:
                                    "category": bench[p].category, "tokens": seq})
     bar.close()
 
-    sweeps: dict[str, list[dict]] = {}
-    sweep_prompts = prompts[: cfg.sweep_prompts] if cfg.sweep_prompts else prompts
-    values = {"gamma": cfg.sweep_gammas, "tree_budget": cfg.sweep_budgets, "batch_size": cfg.sweep_batch_sizes}
-    for kind in cfg.sweeps:
-        for temp in cfg.temperatures:
-            def oracle(m, b, summary, temp=temp):
-                logged = log_pass(target, [m], sweep_prompts, batch_size=b, temperature=temp, seed=cfg.seed,
-                                  tree=cfg.tree_setting(), **kw)
-                return analyze_calls(logged[m.name], sweep_prompts, categories, cost, temperature=temp,
-                                     measured_tokens_per_s=summary["tokens_per_s"])
+    sweeps = _run_sweeps(cfg, target, methods, prompts, categories, cost, kw)
 
-            extra = {"fixed_gammas": cfg.sweep_fixed_gammas, "repeats": cfg.sweep_repeats,
-                     "oracle": oracle if cfg.oracle and temp == 0 else None} if kind == "batch_size" else {}
-            rows = run_sweep(kind, target, methods, sweep_prompts, categories, values=values[kind],
-                             tree_setting=cfg.tree_setting, temperature=temp, seed=cfg.seed, tree=cfg.tree_setting(),
-                             progress=cfg.progress, **extra, **kw)
-            sweeps.setdefault(kind, []).extend({"temperature": temp, **r} for r in rows)
-
-    results = {
-        "schema_version": SCHEMA_VERSION, "tau_convention": TAU_CONVENTION,
-        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "config": to_dict(cfg), "machine": machine_info(),
-        "target": {"spec": cfg.target, "dtype": info.dtype, "source": info.source, "path": info.path},
-        "benchmark": {"name": cfg.bench, "num_prompts": len(bench),
-                      "categories": {c: categories.count(c) for c in sorted(set(categories))},
-                      "prompt_tokens_mean": sum(map(len, prompts)) / len(prompts)},
-        "skipped": skipped, "runs": runs, "sweeps": sweeps,
-    }
+    results = {**_report_header(cfg, info, bench, prompts, categories), "skipped": skipped, "runs": runs,
+               "sweeps": sweeps}
     t0 = time.perf_counter()
     write_report(results, out_dir, tokens)
     tracker.log({"eval/report_write_s": time.perf_counter() - t0})

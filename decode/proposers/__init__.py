@@ -20,6 +20,8 @@ adaptive ones without it measure the target once and cache the result
 (`costmodel.load_or_measure`, ~/.cache/drafttrain/costs). `max_gamma=` caps adaptive lengths;
 other options go to the parts. Part specs may not contain "+".
 A `Proposer` instance passes through; an `EagleDrafter` or an HF causal-LM module is wrapped.
+`check_specs(specs)` (specs.py) checks spec strings without loading anything; `load_proposer`
+runs it first, and commands run it before they load the target.
 
 Deliberately not here: drafting logic (one module per family), verification.
 """
@@ -38,9 +40,18 @@ from drafttrain.decode.proposers.eagle import EagleProposer
 from drafttrain.decode.proposers.early_exit import EarlyExitProposer
 from drafttrain.decode.proposers.medusa import MedusaProposer
 from drafttrain.decode.proposers.ngram import NGramProposer
+from drafttrain.decode.proposers.specs import (
+    COMPOSITE,
+    DRAFTER_METHODS,
+    FORMS,
+    check_spec,
+    check_specs,
+    drafter_method,
+)
 
 __all__ = ["Proposer", "NodeDrafter", "NGramProposer", "CorpusProposer", "EarlyExitProposer", "DraftLMProposer",
-           "EagleProposer", "MedusaProposer", "HybridProposer", "load_proposer", "PROPOSERS", "COMPOSITE"]
+           "EagleProposer", "MedusaProposer", "HybridProposer", "load_proposer", "check_spec", "check_specs",
+           "PROPOSERS", "COMPOSITE"]
 
 def __getattr__(name: str):
     # HybridProposer is built on drafttrain.decode.adaptive, which imports this package's base
@@ -52,15 +63,12 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-#: spec prefix -> factory(target, arg, **options)
+#: spec prefix -> factory(target, arg, **options); "corpus:FILE" and the COMPOSITE prefixes
+#: (specs.py) are handled in `load_proposer`.
 PROPOSERS = {
     "ngram": lambda target, arg, **o: NGramProposer(int(arg) if arg else 3, **o),
     "early-exit": lambda target, arg, **o: EarlyExitProposer(target, _int_arg("early-exit", arg), **o),
 }
-
-
-#: composite spec prefixes (handled by `_load_composite`: they nest other specs).
-COMPOSITE = ("adaptive", "hybrid", "adaptive-hybrid")
 
 
 def _int_arg(name: str, arg: str | None) -> int:
@@ -82,13 +90,15 @@ def load_proposer(spec_or_path, target: nn.Module, *, tokenizer=None, **options)
         A Proposer.
 
     Raises:
-        ValueError: unknown spec, or a drafter that does not fit the target.
+        ValueError: unknown spec, or a drafter that does not fit the target (a ConfigError from
+            `check_spec` for anything found without loading).
     """
     if isinstance(spec_or_path, Proposer):
         return spec_or_path
     if isinstance(spec_or_path, nn.Module):
         return _wrap_module(spec_or_path, target, **options)
     spec = str(spec_or_path)
+    check_spec(spec)
     name, _, arg = spec.partition(":")
     if name in COMPOSITE and not Path(spec).exists():
         return _load_composite(name, arg, target, tokenizer, **options)
@@ -106,7 +116,7 @@ def load_proposer(spec_or_path, target: nn.Module, *, tokenizer=None, **options)
         _check_vocab(model, target)
         return DraftLMProposer(model, **options)
     if (folder / "config.json").is_file():
-        method = _drafter_method(folder / "config.json")
+        method = drafter_method(json.loads((folder / "config.json").read_text()))
         if method in ("eagle3", "eagle1"):
             from drafttrain.models.eagle import load_drafter
 
@@ -115,7 +125,7 @@ def load_proposer(spec_or_path, target: nn.Module, *, tokenizer=None, **options)
             return _load_medusa(folder, method, target, **options)
         if method is not None:
             raise ValueError(f"{folder}: drafter method {method!r} has no proposer yet "
-                             "(known: eagle3, eagle1, medusa1, medusa2)")
+                             f"(known: {', '.join(DRAFTER_METHODS)})")
     return _load_draft_lm(spec, target, tokenizer, **options)
 
 
@@ -173,12 +183,6 @@ def _load_medusa(folder: Path, method: str, target: nn.Module, **options) -> Pro
     return MedusaProposer(heads, layers, tree=options.pop("tree", None) or meta.get("tree_choices"), **options)
 
 
-def _drafter_method(config_path: Path) -> str | None:
-    meta = json.loads(config_path.read_text())
-    method = meta.get("method") or (meta.get("drafter") or {}).get("method")
-    return method if isinstance(method, str) else None
-
-
 def _wrap_module(module: nn.Module, target: nn.Module, **options) -> Proposer:
     from drafttrain.models.eagle import EagleDrafter
     from drafttrain.models.medusa import MedusaHeads
@@ -202,9 +206,8 @@ def _load_draft_lm(spec: str, target: nn.Module, tokenizer, **options) -> Propos
     try:
         model = AutoModelForCausalLM.from_pretrained(spec, dtype=next(target.parameters()).dtype)
     except (OSError, ValueError) as err:
-        known = ", ".join(f"{k}[:N]" for k in PROPOSERS) + ", corpus:FILE"
-        raise ValueError(f"cannot load proposer {spec!r}: not one of {known}, a drafter folder, "
-                         f"or a causal LM ({err.__class__.__name__}: {str(err).splitlines()[0]})") from None
+        raise ValueError(f"cannot load proposer {spec!r}: not one of {FORMS} "
+                         f"({err.__class__.__name__}: {str(err).splitlines()[0]})") from None
     model.to(next(target.parameters()).device).eval()
     if tokenizer is not None and model.config.vocab_size < len(tokenizer):
         raise ValueError(f"draft LM {spec!r} has vocab {model.config.vocab_size} < tokenizer size {len(tokenizer)}")
