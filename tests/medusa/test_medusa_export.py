@@ -68,7 +68,6 @@ def test_medusa_export_refusals_are_one_line(medusa1_runs, medusa2_runs, tmp_pat
 @pytest.mark.parametrize("fmt", ["hf"])
 def test_medusa1_hf_export_loads_back(medusa1_runs, tmp_path, fmt):
     from drafttrain.export.command import export_drafter
-
     from drafttrain.models.medusa import load_medusa
 
     summary = export_drafter(medusa1_runs[1] / "drafter", fmt, tmp_path / fmt)

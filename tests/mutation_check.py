@@ -1,0 +1,317 @@
+"""Mutation check: plant small, meaningful bugs in a scratch copy and prove the suite catches each.
+
+A test suite is only worth what it fails on. Each mutant below is a one-line bug a person could
+plausibly write (a dropped step weight, T^2 instead of T, a residual without its mass factor, a
+resume that replays the epoch from the start, one random stream shared by every row...), with
+the tests that must catch it. For every mutant the script copies the working tree to a temporary
+folder, applies the edit there (never to your checkout), runs the listed tests against the copy
+and reports KILLED (a test failed: good) or SURVIVED (every test passed: the suite is blind to
+that bug). It first runs all listed tests on the unmutated copy, which must pass.
+
+    python tests/mutation_check.py              # every mutant, ~5 min on a 2-core CPU
+    python tests/mutation_check.py --list       # names only
+    python tests/mutation_check.py eagle3-step-weight temperature-squared
+
+Exit code 0 when every mutant is killed; 1 when one survives or cannot be applied (its `find`
+text is gone: the code moved, update the mutant). `.ci/run` runs it after pytest.
+
+How the copy is imported: the package is installed editable from your checkout, so the copy is
+put first on PYTHONPATH, with decode/ and eval/ linked inside its drafttrain/ as pyproject.toml
+maps them; a check before the baseline run makes sure the copy, not the checkout, is imported.
+
+Not a pytest module (its name does not start with test_): it runs pytest itself, many times.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass(frozen=True)
+class Mutant:
+    """One planted bug: replace `find` (which must occur exactly once) by `replace` in `file`."""
+
+    name: str
+    file: str
+    find: str
+    replace: str
+    tests: tuple[str, ...]
+    why: str = ""
+
+
+MUTANTS: list[Mutant] = [
+    # ---- losses: values checked against hand computations ---------------------------------------
+    Mutant('eagle3-no-step-weight', 'drafttrain/losses.py',
+           'total = total + (step_weight**k) * loss_k',
+           'total = total + loss_k',
+           ('tests/train/test_loss_values.py',), 'EAGLE-3 steps weighted 0.8^k'),
+    Mutant('eagle3-step-weight-k-plus-1', 'drafttrain/losses.py',
+           '(step_weight**k) * loss_k',
+           '(step_weight**(k + 1)) * loss_k',
+           ('tests/train/test_loss_values.py',), 'the first unroll step has weight 1'),
+    Mutant('eagle3-loss-mask-shift', 'drafttrain/losses.py',
+           '_shift(loss_mask, 2 + k, False)',
+           '_shift(loss_mask, 1 + k, False)',
+           ('tests/train/test_loss_values.py',), 'step k predicts x_{t+2+k}: its mask shifts with it'),
+    Mutant('eagle3-ignore-loss-mask', 'drafttrain/losses.py',
+           'valid = _shift(attn, 1 + k, False) & _shift(loss_mask, 2 + k, False) & ',
+           'valid = _shift(attn, 1 + k, False) & ',
+           ('tests/train/test_loss_values.py',), 'prompt tokens must not be trained on'),
+    Mutant('eagle3-teacher-shift', 'drafttrain/losses.py',
+           'p = _shift(t_probs, 1 + k, 0.0)',
+           'p = _shift(t_probs, 2 + k, 0.0)',
+           ('tests/train/test_loss_values.py',), 'teacher distribution one position off'),
+    Mutant('eagle3-no-oov-mask', 'drafttrain/losses.py',
+           ' & _shift(in_vocab, 1 + k, False)',
+           '',
+           ('tests/train/test_loss_values.py',), 'positions whose target argmax is outside the draft vocab are masked'),
+    Mutant('eagle3-oov-mask-shift', 'drafttrain/losses.py',
+           '_shift(in_vocab, 1 + k, False)',
+           '_shift(in_vocab, 2 + k, False)',
+           ('tests/train/test_loss_values.py',), 'out-of-vocab mask one position off'),
+    Mutant('eagle3-mean-over-all-positions', 'drafttrain/losses.py',
+           'loss_k = (ce * valid).sum() / n.clamp(min=1)',
+           'loss_k = (ce * valid).sum() / ce.numel()',
+           ('tests/train/test_loss_values.py',), 'mean over valid positions, not padding'),
+    Mutant('eagle3-acc-teacher-shift', 'drafttrain/losses.py',
+           'agree = (logits.argmax(-1) == _shift(t_top, 1 + k, -1)) & valid',
+           'agree = (logits.argmax(-1) == _shift(t_top, k, -1)) & valid',
+           ('tests/train/test_loss_values.py',), 'reported accuracy against the wrong teacher position'),
+    Mutant('eagle3-run-len-not-consecutive', 'drafttrain/losses.py',
+           '            run_len += alive.long()\n    metrics["run_len_sum"] = int(run_len[first_valid].sum()) if',
+           '            run_len += agree.long()\n    metrics["run_len_sum"] = int(run_len[first_valid].sum()) if',
+           ('tests/train/test_loss_values.py',), 'simulated tau counts only consecutive agreements'),
+    Mutant('eagle1-swap-weights', 'drafttrain/losses.py',
+           'loss = (feature_weight * (reg * valid).sum() + ce_weight * (ce * valid).sum()) / n',
+           'loss = (ce_weight * (reg * valid).sum() + feature_weight * (ce * valid).sum()) / n',
+           ('tests/train/test_loss_values.py',), 'EAGLE-1: 1.0 feature SmoothL1 + 0.1 CE'),
+    Mutant('eagle1-loss-mask-shift', 'drafttrain/losses.py',
+           '_shift(loss_mask, 2, False)',
+           '_shift(loss_mask, 1, False)',
+           ('tests/train/test_loss_values.py',), 'EAGLE-1 mask one position off'),
+    Mutant('eagle1-noisy-regression-target', 'drafttrain/losses.py',
+           'target_feat = _shift(feat, 1, 0.0)',
+           'target_feat = _shift(x, 1, 0.0)',
+           ('tests/train/test_loss_values.py',), 'noise belongs on the input, not the regression target'),
+    Mutant('eagle1-mse-not-smooth-l1', 'drafttrain/losses.py',
+           'F.smooth_l1_loss(pred.float(), target_feat.float(), reduction="none")',
+           'F.mse_loss(pred.float(), target_feat.float(), reduction="none")',
+           ('tests/train/test_loss_values.py',), 'EAGLE-1 regresses features with SmoothL1'),
+    Mutant('eagle1-noise-in-eval', 'drafttrain/losses.py',
+           'if (noise > 0 and raw.training)',
+           'if noise > 0',
+           ('tests/train/test_loss_values.py',), 'held-out loss must be noise-free'),
+    Mutant('medusa-no-step-weight', 'drafttrain/losses.py',
+           'total = total + (step_weight**i) * (ce * valid).sum()',
+           'total = total + (ce * valid).sum()',
+           ('tests/train/test_loss_values.py',), 'Medusa heads weighted 0.8^i'),
+    Mutant('medusa-head-offset', 'drafttrain/losses.py',
+           'tok = _shift(input_ids, 2 + i, 0)',
+           'tok = _shift(input_ids, 1 + i, 0)',
+           ('tests/train/test_loss_values.py',), 'head i predicts token t+i+2'),
+    Mutant('medusa-keep-oov-labels', 'drafttrain/losses.py',
+           'valid = valid & t2d[tok]',
+           'valid = valid',
+           ('tests/train/test_loss_values.py',), 'labels outside the draft vocab are skipped'),
+    Mutant('medusa2-drop-kl', 'drafttrain/losses.py',
+           'loss = kl_weight * kl + heads_coefficient * head_loss',
+           'loss = heads_coefficient * head_loss',
+           ('tests/train/test_loss_values.py',), 'Medusa-2 keeps the backbone near the original with a KL term'),
+    Mutant('medusa2-original-with-adapter', 'drafttrain/losses.py',
+           'with torch.no_grad(), target.disable_adapter():',
+           'with torch.no_grad():',
+           ('tests/train/test_loss_values.py',), 'the KL reference is the original model, adapter off'),
+    Mutant('kl-reverse-direction', 'drafttrain/losses.py',
+           'kl = (logp_o.exp() * (logp_o - torch.log_softmax(a, -1))).sum(-1)',
+           'kl = (torch.softmax(a, -1) * (torch.log_softmax(a, -1) - logp_o)).sum(-1)',
+           ('tests/train/test_loss_values.py',), 'KL(original || adapted), not the reverse'),
+    Mutant('kl-no-softcap', 'drafttrain/losses.py',
+           'return cap * torch.tanh(logits / cap) if cap else logits',
+           'return logits',
+           ('tests/train/test_loss_values.py',), "Gemma's final logit soft cap"),
+    # ---- sampling and verification ---------------------------------------------------------------
+    Mutant('temperature-squared', 'decode/sampling.py',
+           'x = x / temperature',
+           'x = x / (temperature * temperature)',
+           ('tests/decode/test_sampling_law.py',), 'logits divided by T^2 instead of T'),
+    Mutant('temperature-x1.2', 'decode/sampling.py',
+           'x = x / temperature',
+           'x = x / (temperature * 1.2)',
+           ('tests/decode/test_sampling_law.py',), 'a 20% temperature error'),
+    Mutant('temperature-div1.2', 'decode/sampling.py',
+           'x = x / temperature',
+           'x = x / (temperature / 1.2)',
+           ('tests/decode/test_sampling_law.py',), 'a 20% temperature error the other way'),
+    Mutant('residual-no-mass-factor', 'decode/verify.py',
+           'r_rej = (r - s[:, None].float() * q).clamp_min(0.0)',
+           'r_rej = (r - q).clamp_min(0.0)',
+           ('tests/decode/test_sampling_law.py',), 'tree siblings: the residual subtracts q scaled by the remaining mass'),
+    Mutant('accept-test-no-mass', 'decode/verify.py',
+           'ok = active & (q_x > 0) & (uniforms[:, c] * q_x * s < r_x)',
+           'ok = active & (q_x > 0) & (uniforms[:, c] * q_x < r_x)',
+           ('tests/decode/test_sampling_law.py',), 'sibling accept test against the renormalised residual'),
+    Mutant('residual-is-p', 'decode/verify.py',
+           'r_rej = (r - s[:, None].float() * q).clamp_min(0.0)',
+           'r_rej = r.clone()',
+           ('tests/decode/test_sampling_law.py',), 'after a rejection sample max(p - q, 0), not p'),
+    Mutant('one-hot-residual-keeps-x', 'decode/verify.py',
+           'r_rej = r.scatter(1, x[:, None], 0.0)',
+           'r_rej = r.clone()',
+           ('tests/decode/test_sampling_law.py',), 'a rejected deterministic draft is removed from the residual'),
+    Mutant('top-p-boundary-strict', 'decode/sampling.py',
+           'drop = (sorted_p.cumsum(dim=-1) - sorted_p) >= top_p',
+           'drop = (sorted_p.cumsum(dim=-1) - sorted_p) > top_p',
+           ('tests/decode/test_sampling_law.py',), 'top-p keeps the smallest set reaching the mass'),
+    Mutant('top-k-drops-ties', 'decode/sampling.py',
+           'x = x.masked_fill(x < kth, float("-inf"))',
+           'x = torch.full_like(x, float("-inf")).scatter(-1, x.topk(top_k, dim=-1).indices, x.topk(top_k, dim=-1).values)',
+           ('tests/decode/test_sampling_law.py',), 'top-k keeps every token tied with the k-th'),
+    Mutant("typical-threshold-min", "decode/verify.py",
+           "threshold = torch.clamp(delta * torch.exp(-entropy), max=eps)",
+           "threshold = torch.clamp(delta * torch.exp(-entropy), min=eps)",
+           ("tests/decode/test_verify.py::test_typical_acceptance_is_a_threshold",),
+           "Medusa's typical threshold is min(eps, delta e^-H), not max"),
+    Mutant("greedy-verify-root-only", "decode/verify.py",
+           "match = (parents >= 0) & (tokens == top.gather(1, par))",
+           "match = (parents >= 0) & (tokens == top.gather(1, par * 0))",
+           ("tests/decode/test_engine.py::test_greedy_matches_generate",),
+           "every draft compared with the root's argmax instead of its parent's"),
+    Mutant("int-seed-shared-stream", "decode/engine.py",
+           "seed = row_seeds(int(seed), B, device)",
+           "seed = torch.full((B,), int(seed), dtype=torch.long, device=device)",
+           ("tests/decode/test_engine.py::test_one_int_seed_gives_each_row_its_own_reproducible_stream",
+            "tests/decode/test_engine.py::test_sampled_first_and_second_token_follow_the_target"),
+           "one int seed gives every row the same random stream (64 copies = one sample 64 times)"),
+    # ---- kernels ---------------------------------------------------------------------------------
+    Mutant("greedy-ref-last-chunk-wins-tie", "decode/kernels/greedy.py",
+           "better = val > best_val", "better = val >= best_val",
+           ("tests/decode/test_kernels.py::test_greedy_ref_ties_go_to_lowest_id_across_chunks",),
+           "ties must go to the lowest token id, as torch.argmax does"),
+    Mutant("greedy-triton-last-block-wins-tie", "decode/kernels/greedy.py",
+           "blk = part_val.argmax(dim=1, keepdim=True)",
+           "blk = part_val.shape[1] - 1 - part_val.flip(1).argmax(dim=1, keepdim=True)",
+           ("tests/decode/test_kernels.py::test_greedy_triton_matches_ref",),
+           "the Triton path breaks ties toward the highest vocab block"),
+    # ---- training loop ---------------------------------------------------------------------------
+    Mutant("resume-replays-epoch", "drafttrain/trainer.py",
+           'it = accelerator.skip_first_batches(loader, state["micro_in_epoch"]) if state["micro_in_epoch"] else loader',
+           "it = loader",
+           ("tests/train/test_training.py::test_stop_and_resume_equals_uninterrupted",),
+           "a resumed run restarts its epoch instead of skipping the batches already trained on"),
+    Mutant("best-drafter-keeps-worst", "drafttrain/trainer.py",
+           'dec["eval/decode_tau"] > state["best_decode_tau"]',
+           'dec["eval/decode_tau"] < state["best_decode_tau"]',
+           ("tests/train/test_training.py::test_decoding_eval_in_training_keeps_the_best_drafter",),
+           "best_drafter must hold the step with the highest decoding tau"),
+    # ---- user errors -----------------------------------------------------------------------------
+    Mutant("spec-check-skipped", "eval/harness.py",
+           "    check_inputs(cfg)  # seconds", "    pass  # seconds",
+           ("tests/eval/test_spec_check.py::test_eval_checks_before_loading_the_target",),
+           "bad proposer specs found only after the target has loaded"),
+]
+
+
+def _files(root: Path) -> list[str]:
+    """Tracked files plus untracked ones git does not ignore (so uncommitted work is checked)."""
+    out = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=root,
+                         capture_output=True, text=True, check=True).stdout
+    return [f for f in out.splitlines() if (root / f).is_file()]
+
+
+def make_copy(root: Path, dest: Path) -> Path:
+    """Copies the tree to dest/src and links src/decode and src/eval into src/drafttrain, as
+    pyproject.toml maps them, so src/drafttrain is the whole package."""
+    src = dest / "src"
+    for f in _files(root):
+        (src / f).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(root / f, src / f)
+    for sub in ("decode", "eval"):
+        (src / "drafttrain" / sub).symlink_to(src / sub, target_is_directory=True)
+    return src
+
+
+def run_tests(src: Path, tests: tuple[str, ...], timeout: float) -> tuple[int, str]:
+    env = dict(os.environ, PYTHONPATH=str(src) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "--no-header", *tests]
+    try:
+        out = subprocess.run(cmd, cwd=src, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return -1, f"timed out after {timeout:.0f} s"
+    lines = (out.stdout + out.stderr).strip().splitlines()
+    failed = [ln for ln in lines if ln.startswith(("FAILED", "ERROR"))]  # pytest's short summary
+    return out.returncode, (failed or lines or [""])[0 if failed else -1][:160]
+
+
+def check_imports_copy(src: Path) -> None:
+    env = dict(os.environ, PYTHONPATH=str(src))
+    code = "import drafttrain.decode.engine as e, drafttrain.trainer as t; print(e.__file__); print(t.__file__)"
+    files = subprocess.run([sys.executable, "-c", code], cwd=src, env=env, capture_output=True, text=True,
+                           check=True).stdout.split()
+    if not all(f.startswith(str(src)) for f in files):
+        sys.exit(f"mutation check: the copy is not what Python imports ({files}); is drafttrain installed "
+                 "as a regular (non-editable) package? Use `pip install -e .`")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="Plant each listed bug in a scratch copy; check a test catches it.")
+    ap.add_argument("names", nargs="*", help="mutants to run (default: all)")
+    ap.add_argument("--list", action="store_true", help="list the mutants and exit")
+    ap.add_argument("--timeout", type=float, default=900, help="seconds per pytest run (default 900)")
+    args = ap.parse_args(argv)
+    if args.list:
+        for m in MUTANTS:
+            print(f"{m.name:36s} {m.file}: {m.why}")
+        return 0
+    unknown = set(args.names) - {m.name for m in MUTANTS}
+    if unknown:
+        sys.exit(f"mutation check: unknown mutant(s) {sorted(unknown)}; see --list")
+    chosen = [m for m in MUTANTS if not args.names or m.name in args.names]
+    t0 = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="drafttrain-mutants-") as tmp:
+        src = make_copy(ROOT, Path(tmp))
+        check_imports_copy(src)
+        every = tuple(dict.fromkeys(t for m in chosen for t in m.tests))
+        rc, last = run_tests(src, every, args.timeout)
+        print(f"baseline (unmutated copy, {len(every)} test selections): {'passed' if rc == 0 else 'FAILED'}"
+              f" [{last}]", flush=True)
+        if rc != 0:
+            print("mutation check: the unmutated copy fails its tests; fix the suite first")
+            return 1
+        results = []
+        for m in chosen:
+            path = src / m.file
+            text = path.read_text()
+            n = text.count(m.find)
+            if n != 1:
+                results.append((m, "NOT APPLIED", f"find text occurs {n} times in {m.file}; update the mutant"))
+                print(f"  {m.name:36s} NOT APPLIED ({n} matches)", flush=True)
+                continue
+            path.write_text(text.replace(m.find, m.replace))
+            t1 = time.monotonic()
+            try:
+                rc, last = run_tests(src, m.tests, args.timeout)
+            finally:
+                path.write_text(text)
+            verdict = "KILLED" if rc == 1 else "SURVIVED" if rc == 0 else "ERROR"
+            results.append((m, verdict, last))
+            print(f"  {m.name:36s} {verdict:8s} {time.monotonic() - t1:5.0f} s  [{last}]", flush=True)
+    bad = [(m, v, why) for m, v, why in results if v != "KILLED"]
+    print(f"mutation check: {len(results) - len(bad)}/{len(results)} mutants killed in "
+          f"{time.monotonic() - t0:.0f} s")
+    for m, v, why in bad:
+        print(f"  {v}: {m.name} ({m.file}: {m.why}) [{why}]")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
