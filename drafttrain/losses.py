@@ -102,9 +102,8 @@ def eagle1_loss(drafter, target, batch: dict[str, Tensor], feats: dict[str, Tens
     valid = _shift(attn, 1, False) & _shift(loss_mask, 2, False)
     n = valid.sum().clamp(min=1)
     reg = F.smooth_l1_loss(pred.float(), target_feat.float(), reduction="none").mean(-1)
-    with torch.no_grad():
-        head = raw._target_head[0]
-        t_logits = head(target_feat.to(head.weight.dtype)).float()
+    with torch.no_grad():  # the teacher is the target's own distribution, soft cap included
+        t_logits = full_logits(target, target_feat)
         t_probs = torch.softmax(t_logits, -1)
     ce = -(t_probs * torch.log_softmax(logits.float(), -1)).sum(-1)
     loss = (feature_weight * (reg * valid).sum() + ce_weight * (ce * valid).sum()) / n

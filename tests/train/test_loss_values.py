@@ -359,11 +359,11 @@ def test_eagle3_uniform_drafter_costs_log_vd_per_weighted_step() -> None:
 
 
 # ---- EAGLE-1 ----------------------------------------------------------------------------------------------
-def eagle1_case(seed: int = 0) -> SimpleNamespace:
+def eagle1_case(seed: int = 0, softcap: float | None = None) -> SimpleNamespace:
     """Predicted features off the true next feature by N(0, 1.2) (both SmoothL1 branches); logits
     over the full vocab, copying the teacher's at about 60% of positions."""
     weight, feat = randn(V, H, seed=seed), randn(B, T, H, seed=seed + 1, scale=1.5)
-    full = teacher_full(weight, feat, None)  # [B, T, V]: position t's row predicts x_{t+1}
+    full = teacher_full(weight, feat, softcap)  # [B, T, V]: position t's row predicts x_{t+1}
     logits = randn(B, T, V, seed=seed + 2, scale=2.0)
     coin = torch.rand(B, T, generator=torch.Generator().manual_seed(seed + 3)) < 0.6
     for b in range(B):
@@ -371,16 +371,18 @@ def eagle1_case(seed: int = 0) -> SimpleNamespace:
             if coin[b, t]:
                 logits[b, t] = 3 * full[b, t + 1].float()
     pred = torch.cat([feat[:, 1:], feat[:, :1]], 1) + randn(B, T, H, seed=seed + 4, scale=1.2)
-    target = StubTarget(weight)
+    target = StubTarget(weight, softcap)
     logits, pred = logits.requires_grad_(), pred.requires_grad_()
     drafter = StubEagle1(logits, pred, target.lm_head)
     return SimpleNamespace(target=target, drafter=drafter, logits=logits, pred=pred, feat=feat, full=full)
 
 
-def test_eagle1_loss_matches_reference() -> None:
+@pytest.mark.parametrize("softcap", [None, 2.5])
+def test_eagle1_loss_matches_reference(softcap: float | None) -> None:
     """Value and gradient of (1.0 * SmoothL1 + 0.1 * soft CE) / n over counted positions, the two
-    parts as logged, and the accuracy."""
-    case = eagle1_case()
+    parts as logged, and the accuracy. The teacher is the target's real distribution: with Gemma's
+    final logit soft cap applied (it was once left out for EAGLE-1 only)."""
+    case = eagle1_case(softcap=softcap)
     case.drafter.eval()
     loss, metrics = eagle1_loss(case.drafter, case.target, make_batch(), {"final": case.feat}, feature_weight=1.0,
                                 ce_weight=0.1, noise=0.0)
