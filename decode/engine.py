@@ -40,6 +40,7 @@ from drafttrain.decode.sampling import row_seeds
 from drafttrain.decode.stats import DecodeStats
 from drafttrain.decode.tree import DraftTree, DynamicTree, StaticTree, parse_tree, root_only
 from drafttrain.decode.verify import VerifyResult, verify_greedy_ids, verify_tree
+from drafttrain.eos import eos_ids
 
 __all__ = ["DecodeState", "GenerateOutput", "speculative_generate"]
 
@@ -244,8 +245,8 @@ def speculative_generate(target: nn.Module, proposer: Proposer | None, input_ids
             int gives every caller row its own stream (`row_seeds`: row i is keyed by the seed and
             i, so N copies of a prompt give N samples); a sequence or [B] tensor gives one seed
             per row as it is (like per-request seeds: equal seeds, equal streams).
-        eos_token_id: id or ids that end a row (included in its output); default: the target
-            config's eos_token_id.
+        eos_token_id: id or ids that end a row (included in its output; [] = none); default:
+            every id the target's generation config and config name (`drafttrain.eos`).
         gamma: chain length (drafts per step) for chain proposers.
         tree: None (chain), "dynamic" / DynamicTree (EAGLE-2), or a list of rank paths (static).
         generator: optional torch.Generator for the random draws (unused when `seed` is given,
@@ -309,12 +310,5 @@ def speculative_generate(target: nn.Module, proposer: Proposer | None, input_ids
 
 
 def _eos_set(target: nn.Module, eos_token_id) -> set[int]:
-    if eos_token_id is None:
-        eos_token_id = getattr(getattr(target, "generation_config", None), "eos_token_id", None)
-        if eos_token_id is None:
-            eos_token_id = getattr(target.config, "eos_token_id", None)
-    if eos_token_id is None:
-        return set()
-    if isinstance(eos_token_id, int):
-        return {eos_token_id}
-    return {int(e) for e in eos_token_id}
+    """The ids that end a row: `eos_token_id` when given, else the target's (`drafttrain.eos`)."""
+    return set(eos_ids(target, explicit=eos_token_id))

@@ -34,6 +34,8 @@ import torch
 from torch import Tensor, nn
 from transformers import DynamicCache
 
+from drafttrain.textconfig import text_config
+
 __all__ = ["KVState", "target_forward", "truncated_layers", "attention_layout"]
 
 
@@ -43,7 +45,7 @@ def attention_layout(config) -> tuple[list[str] | None, int | None]:
     Raises:
         NotImplementedError: for layer types the mask builder does not know (chunked attention).
     """
-    config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    config = text_config(config)
     types = getattr(config, "layer_types", None)
     if not types:
         return None, None

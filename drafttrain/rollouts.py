@@ -12,17 +12,12 @@ does that); it returns token ids and leaves text to the caller.
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 import torch
 from torch import Tensor, nn
 
-
-def eos_ids(model: nn.Module, tokenizer=None) -> set[int]:
-    """End-of-sequence ids: the generation config's (Gemma: <eos> and <end_of_turn>), the config's, the tokenizer's."""
-    out: set[int] = set()
-    for src in (getattr(model, "generation_config", None), model.config, tokenizer):
-        v = getattr(src, "eos_token_id", None) if src is not None else None
-        out |= set(v) if isinstance(v, (list, tuple)) else ({v} if isinstance(v, int) else set())
-    return out
+from drafttrain.eos import eos_ids as eos_ids  # re-exported: callers stop where sampling stops
 
 
 def _pick(logits: Tensor, temperature: float, top_p: float, gens: list[torch.Generator]) -> Tensor:
@@ -39,7 +34,7 @@ def _pick(logits: Tensor, temperature: float, top_p: float, gens: list[torch.Gen
 
 @torch.no_grad()
 def sample_responses(model: nn.Module, prompts: list[list[int]], *, max_new_tokens: int | list[int],
-                     eos: set[int], seeds: list[int], temperature: float = 1.0, top_p: float = 1.0,
+                     eos: Collection[int], seeds: list[int], temperature: float = 1.0, top_p: float = 1.0,
                      pad_id: int = 0) -> list[list[int]]:
     """Sample a continuation of every prompt.
 
@@ -47,7 +42,7 @@ def sample_responses(model: nn.Module, prompts: list[list[int]], *, max_new_toke
         model: an HF causal LM (eval mode is the caller's business).
         prompts: token ids per row.
         max_new_tokens: a cap for all rows, or one per row.
-        eos: ids that end a row (kept as its last token).
+        eos: ids that end a row (kept as its last token; `drafttrain.eos.eos_ids` gives the model's).
         seeds: one seed per row.
         temperature: 0 = greedy.
         top_p: nucleus mass (1 = off).

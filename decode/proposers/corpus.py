@@ -33,8 +33,10 @@ from pathlib import Path
 
 from torch import Tensor
 
+from drafttrain.chat import tokenize_conversation
 from drafttrain.decode.proposers.base import Proposer
 from drafttrain.decode.tree import DraftTree, DynamicTree, StaticTree, pad_trees
+from drafttrain.records import normalize_record
 
 __all__ = ["CorpusProposer", "corpus_sequences"]
 
@@ -46,9 +48,6 @@ def corpus_sequences(path: str | Path, tokenizer, template: str = "auto") -> lis
     Raises:
         ValueError: no such file, or no usable conversation in it (the message names the file).
     """
-    from drafttrain.chat import tokenize_conversation
-    from drafttrain.data import normalize_record
-
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"corpus file {path} does not exist; write one with "

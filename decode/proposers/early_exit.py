@@ -17,6 +17,7 @@ from torch import Tensor, nn
 
 from drafttrain.decode.kv import target_forward, truncated_layers
 from drafttrain.decode.proposers.base import NodeDrafter
+from drafttrain.textconfig import text_config
 
 __all__ = ["EarlyExitProposer"]
 
@@ -34,11 +35,11 @@ class EarlyExitProposer(NodeDrafter):
     commit_accepted = False
 
     def __init__(self, target: nn.Module, num_layers: int, *, gamma: int = 3):
-        total = target.config.get_text_config(decoder=True).num_hidden_layers
+        total = text_config(target.config).num_hidden_layers
         if not 1 <= num_layers < total:
             raise ValueError(f"early-exit:K needs 1 <= K < {total} (the target's layers), got {num_layers}")
         self.target, self.num_layers, self.default_gamma = target, num_layers, gamma
-        self.softcap = getattr(target.config.get_text_config(decoder=True), "final_logit_softcapping", None)
+        self.softcap = getattr(text_config(target.config), "final_logit_softcapping", None)
 
     def _run(self, state, tokens: Tensor, positions: Tensor, parent_slots: Tensor) -> Tensor:
         with truncated_layers(self.target, self.num_layers):

@@ -13,14 +13,11 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from drafttrain.export import ExportError
+from drafttrain.errors import HubError as HubError
+from drafttrain.errors import first_line
 from drafttrain.export.security import check_folder, scrub_text
 
 UPLOADED_FILES = ("README.md", "config.json", "model.safetensors")
-
-
-class HubError(ExportError):
-    """The upload could not happen (no token, no network, refused); nothing was uploaded."""
 
 
 def resolve_token(token: str | None = None) -> str | None:
@@ -73,6 +70,6 @@ def push_to_hub(folder: str | Path, repo_id: str, *, private: bool = False, revi
                                  allow_patterns=files,
                                  commit_message=f"drafttrain export ({', '.join(files)})")
     except Exception as e:  # noqa: BLE001 - offline, HTTP and auth errors all end the same way
-        msg = scrub_text(str(e).splitlines()[0] if str(e) else type(e).__name__, (tok,))
+        msg = scrub_text(first_line(e), (tok,))
         raise HubError(f"upload to {repo_id} failed ({type(e).__name__}: {msg}); nothing was uploaded") from None
     return scrub_text(str(getattr(info, "commit_url", info)), (tok,))

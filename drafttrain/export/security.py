@@ -18,7 +18,8 @@ import os
 import re
 from pathlib import Path
 
-from drafttrain.export import ExportError
+from drafttrain.errors import ExportError
+from drafttrain.errors import UnsafeFileError as UnsafeFileError
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt", ".joblib")
 _PICKLE_MAGIC = tuple(bytes([0x80, proto]) for proto in range(2, 6))  # protocol 2..5 opcode PROTO
@@ -35,10 +36,6 @@ _SECRET_KEY = re.compile(r"(?i)^(?!(?:bos|eos|pad|unk|sep|cls|mask)_token$)(?:.*
                          r"(?:token|api[_-]?key|apikey|secret|password|passwd|credentials?)$")
 _SECRET_ENV = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HUGGINGFACE_HUB_TOKEN", "WANDB_API_KEY")
 REDACTED = "***"
-
-
-class UnsafeFileError(ExportError):
-    """A drafter folder holds a file that could execute code when loaded (a pickle)."""
 
 
 def _looks_pickled(path: Path) -> bool:
