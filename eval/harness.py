@@ -8,7 +8,8 @@
                        -> oracle bound of adaptive / hybrid methods (oracle=true, T = 0: an
                           untimed step-logged re-run of the same batches, eval/oracle.py)
     sweeps             gamma, tree_budget, batch_size (+ fixed-length baselines, oracle rows)
-    report             results.json, results.md, plots, tokens.jsonl; tracker logs the same
+    report             a results.Results (eval/results.py: the schema) -> results.json, results.md,
+                       plots, tokens.jsonl; tracker logs the same
 
 Deliberately not here: the decoding itself (drafttrain.decode), metric formulas (metrics.py).
 """
@@ -29,7 +30,8 @@ from drafttrain.eval.benchmarks import load_benchmark
 from drafttrain.eval.config import EvalConfig, EvalError
 from drafttrain.eval.metrics import add_prompt_speedups, add_speedups, summarize, theory
 from drafttrain.eval.oracle import analyze_calls
-from drafttrain.eval.report import SCHEMA_VERSION, TAU_CONVENTION, write_report
+from drafttrain.eval.report import write_report
+from drafttrain.eval.results import BenchmarkInfo, Machine, MethodSummary, Results, Run, SweepRow, TargetInfo
 from drafttrain.eval.runner import Method, eos_ids, greedy_check, log_pass, run_benchmark, run_call
 from drafttrain.eval.sweeps import run_sweep
 
@@ -72,8 +74,8 @@ def build_methods(cfg: EvalConfig, target, tokenizer) -> tuple[list[Method], dic
         EvalError: a proposer spec or assistant that cannot be loaded.
     """
     from drafttrain.decode import load_proposer
-    from drafttrain.decode.adaptive import Scheduler
     from drafttrain.decode.proposers import DraftLMProposer
+    from drafttrain.decode.proposers.scheduler import Scheduler
 
     methods, skipped = [], {}
     if "target" in cfg.baselines:
@@ -145,7 +147,7 @@ def _first_line(e: Exception) -> str:
     return str(e).splitlines()[0] if str(e) else type(e).__name__
 
 
-def add_oracle(summaries: dict[str, dict], target, methods: list[Method], prompts: list[list[int]],
+def add_oracle(summaries: dict[str, MethodSummary], target, methods: list[Method], prompts: list[list[int]],
                categories: list[str], cost, *, temperature: float, **run_kw) -> None:
     """Adds `oracle` to every adaptive / hybrid method's summary: at T = 0 from an untimed,
     step-logged re-run of the same batches (eval/oracle.py); at T > 0 `applicable: false`."""
@@ -154,12 +156,12 @@ def add_oracle(summaries: dict[str, dict], target, methods: list[Method], prompt
         return
     logged = log_pass(target, todo, prompts, temperature=temperature, **run_kw) if temperature == 0 else {}
     for m in todo:
-        summaries[m.name]["oracle"] = analyze_calls(logged.get(m.name, []), prompts, categories, cost,
-                                                    temperature=temperature,
-                                                    measured_tokens_per_s=summaries[m.name]["tokens_per_s"])
+        summaries[m.name].oracle = analyze_calls(logged.get(m.name, []), prompts, categories, cost,
+                                                 temperature=temperature,
+                                                 measured_tokens_per_s=summaries[m.name].tokens_per_s)
 
 
-def machine_info() -> dict:
+def machine_info() -> Machine:
     """CPU / GPU model, thread count and library versions, for the report."""
     import transformers
 
@@ -169,33 +171,32 @@ def machine_info() -> dict:
                    if ln.startswith("model name"))
     except (OSError, StopIteration):
         pass
-    return {"cpu": cpu, "cpu_count": os.cpu_count(), "threads": torch.get_num_threads(),
-            "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-            "python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
-            "platform": platform.platform()}
+    return Machine(cpu=cpu, cpu_count=os.cpu_count(), threads=torch.get_num_threads(),
+                   gpu=torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+                   python=platform.python_version(), torch=torch.__version__, transformers=transformers.__version__,
+                   platform=platform.platform())
 
 
-def _log_run(tracker, run: dict, step: int) -> None:
-    t = run["temperature"]
+def _log_run(tracker, run: Run, step: int) -> None:
     metrics = {}
-    for name, m in run["methods"].items():
-        base = f"eval/T{t:g}/{name}"
-        metrics[f"{base}/tokens_per_s"] = m["tokens_per_s"]
-        for k, v in m["speedup"].items():
+    for name, m in run.methods.items():
+        base = f"eval/T{run.temperature:g}/{name}"
+        metrics[f"{base}/tokens_per_s"] = m.tokens_per_s
+        for k, v in m.speedup.items():
             metrics[f"{base}/speedup_{k}"] = v
-        if "tau" in m:
-            metrics[f"{base}/tau"] = m["tau"]
-            metrics.update({f"{base}/acc_{i + 1}": a for i, a in enumerate(m["acceptance"][:8])})
-        if m.get("oracle", {}).get("applicable"):
-            metrics[f"{base}/tau_oracle"] = m["oracle"]["tau_oracle"]
-            metrics[f"{base}/tokens_per_s_oracle"] = m["oracle"]["tokens_per_s_oracle"]
+        if m.tau is not None:
+            metrics[f"{base}/tau"] = m.tau
+            metrics.update({f"{base}/acc_{i + 1}": a for i, a in enumerate(m.acceptance[:8])})
+        if m.oracle is not None and m.oracle.applicable:
+            metrics[f"{base}/tau_oracle"] = m.oracle.tau_oracle
+            metrics[f"{base}/tokens_per_s_oracle"] = m.oracle.tokens_per_s_oracle
     tracker.log(metrics, step=step)
 
 
 def _run_sweeps(cfg: EvalConfig, target, methods: list[Method], prompts: list[list[int]], categories: list[str],
-                cost, kw: dict) -> dict[str, list[dict]]:
+                cost, kw: dict) -> dict[str, list[SweepRow]]:
     """Every sweep of `cfg.sweeps` at every temperature: kind -> rows (eval/sweeps.py)."""
-    sweeps: dict[str, list[dict]] = {}
+    sweeps: dict[str, list[SweepRow]] = {}
     sweep_prompts = prompts[: cfg.sweep_prompts] if cfg.sweep_prompts else prompts
     values = {"gamma": cfg.sweep_gammas, "tree_budget": cfg.sweep_budgets, "batch_size": cfg.sweep_batch_sizes}
     for kind in cfg.sweeps:
@@ -204,32 +205,31 @@ def _run_sweeps(cfg: EvalConfig, target, methods: list[Method], prompts: list[li
                 logged = log_pass(target, [m], sweep_prompts, batch_size=b, temperature=temp, seed=cfg.seed,
                                   tree=cfg.tree_setting(), **kw)
                 return analyze_calls(logged[m.name], sweep_prompts, categories, cost, temperature=temp,
-                                     measured_tokens_per_s=summary["tokens_per_s"])
+                                     measured_tokens_per_s=summary.tokens_per_s)
 
             extra = {"fixed_gammas": cfg.sweep_fixed_gammas, "repeats": cfg.sweep_repeats,
                      "oracle": oracle if cfg.oracle and temp == 0 else None} if kind == "batch_size" else {}
             rows = run_sweep(kind, target, methods, sweep_prompts, categories, values=values[kind],
                              tree_setting=cfg.tree_setting, temperature=temp, seed=cfg.seed, tree=cfg.tree_setting(),
                              progress=cfg.progress, **extra, **kw)
-            sweeps.setdefault(kind, []).extend({"temperature": temp, **r} for r in rows)
+            sweeps.setdefault(kind, []).extend(rows)
     return sweeps
 
 
-def _report_header(cfg: EvalConfig, info, bench, prompts: list[list[int]], categories: list[str]) -> dict:
-    """The report's schema, config, machine, target and benchmark fields."""
-    return {
-        "schema_version": SCHEMA_VERSION, "tau_convention": TAU_CONVENTION,
-        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "config": to_dict(cfg), "machine": machine_info(),
-        "target": {"spec": cfg.target, "dtype": info.dtype, "source": info.source, "path": info.path},
-        "benchmark": {"name": cfg.bench, "num_prompts": len(bench),
-                      "categories": {c: categories.count(c) for c in sorted(set(categories))},
-                      "prompt_tokens_mean": sum(map(len, prompts)) / len(prompts)},
-    }
+def _results(cfg: EvalConfig, info, bench, prompts: list[list[int]], categories: list[str], **body) -> Results:
+    """The report: its header (config, machine, target, benchmark; created now) around `body`
+    (skipped, runs, sweeps)."""
+    return Results(
+        created=datetime.now(timezone.utc).isoformat(timespec="seconds"), config=to_dict(cfg), machine=machine_info(),
+        target=TargetInfo(spec=cfg.target, dtype=info.dtype, source=info.source, path=info.path),
+        benchmark=BenchmarkInfo(name=cfg.bench, num_prompts=len(bench),
+                                categories={c: categories.count(c) for c in sorted(set(categories))},
+                                prompt_tokens_mean=sum(map(len, prompts)) / len(prompts)),
+        **body)
 
 
-def run_eval(cfg: EvalConfig) -> dict:
-    """Runs the whole evaluation described by `cfg` and writes the report; returns results."""
+def run_eval(cfg: EvalConfig) -> Results:
+    """Runs the whole evaluation described by `cfg` and writes the report; returns it."""
     from tqdm.auto import tqdm
 
     from drafttrain.targets import load_target
@@ -272,23 +272,19 @@ def run_eval(cfg: EvalConfig) -> dict:
     for step, temp in enumerate(cfg.temperatures):
         calls = run_benchmark(target, methods, prompts, batch_size=cfg.batch_size, temperature=temp, seed=cfg.seed,
                               tree=cfg.tree_setting(), on_call=on_call, **kw)
-        summaries = {}
-        for m in methods:
-            if m.name in calls:
-                summaries[m.name] = {"kind": m.kind, **summarize(calls[m.name], prompts, categories)}
+        summaries = {m.name: summarize(calls[m.name], prompts, categories, kind=m.kind) for m in methods
+                     if m.name in calls}
         add_speedups(summaries, [b for b in ("target", "hf", "hf_lookup", "hf_assisted") if b in summaries])
         if cfg.batch_size == 1:
             walls = {k: [c.wall_s for c in v] for k, v in calls.items()}
-            add_prompt_speedups(summaries, walls, "target")
+            add_prompt_speedups(summaries, walls)
         for name, s in summaries.items():
-            th = theory(s, summaries.get("target")) if name != "target" else None
-            if th is not None:
-                s["theory"] = th
+            s.theory = theory(s, summaries.get("target")) if name != "target" else None
         if cfg.oracle:
             add_oracle(summaries, target, methods, prompts, categories, cost, temperature=temp,
                        batch_size=cfg.batch_size, seed=cfg.seed, tree=cfg.tree_setting(), **kw)
         check = greedy_check(target, calls, prompts, tolerance=cfg.near_tie) if temp == 0 else None
-        runs.append({"temperature": temp, "batch_size": cfg.batch_size, "methods": summaries, "greedy_check": check})
+        runs.append(Run(temperature=temp, batch_size=cfg.batch_size, methods=summaries, greedy_check=check))
         _log_run(tracker, runs[-1], step)
         for name, cs in calls.items():
             for c in cs:
@@ -299,8 +295,7 @@ def run_eval(cfg: EvalConfig) -> dict:
 
     sweeps = _run_sweeps(cfg, target, methods, prompts, categories, cost, kw)
 
-    results = {**_report_header(cfg, info, bench, prompts, categories), "skipped": skipped, "runs": runs,
-               "sweeps": sweeps}
+    results = _results(cfg, info, bench, prompts, categories, skipped=skipped, runs=runs, sweeps=sweeps)
     t0 = time.perf_counter()
     write_report(results, out_dir, tokens)
     tracker.log({"eval/report_write_s": time.perf_counter() - t0})

@@ -21,7 +21,10 @@ compute:
     repetition   fraction of repeated 4-grams in each output, fraction of its 4-grams found in
                  the prompt (copy-friendly outputs flatter n-gram drafters)
 
-Deliberately not here: running models (runner.py), near-tie checks (they need the target).
+Each method's figures come back as a `results.MethodSummary` (the report's typed schema).
+
+Deliberately not here: running models (runner.py), near-tie checks (they need the target), the
+report's schema (results.py).
 """
 
 from __future__ import annotations
@@ -30,8 +33,10 @@ import math
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-__all__ = ["Call", "mean_std", "repetition", "summarize", "add_speedups", "theory", "first_divergence",
-           "iid_tau", "iid_speedup"]
+from drafttrain.eval.results import CategorySummary, MethodSummary, Repetition, Spread, Theory, TimeSplit
+
+__all__ = ["Call", "mean_std", "repetition", "summarize", "add_speedups", "add_prompt_speedups", "theory",
+           "first_divergence", "iid_tau", "iid_speedup"]
 
 
 @dataclass
@@ -107,97 +112,111 @@ def _add(into: list, new: list) -> None:
         into[i] += v
 
 
-def summarize(calls: list[Call], prompt_ids: list[list[int]], categories: list[str]) -> dict:
-    """Aggregates one method's calls (see the module docstring for each field)."""
+def summarize(calls: list[Call], prompt_ids: list[list[int]], categories: list[str], *,
+              kind: str | None = None) -> MethodSummary:
+    """Aggregates one method's calls (see the module docstring for each field); `kind` is the
+    method's ("engine" / "hf"), for the report."""
     tokens = sum(len(s) for c in calls for s in c.sequences)
     wall = sum(c.wall_s for c in calls)
-    out: dict = {"num_prompts": sum(len(c.prompts) for c in calls), "tokens": tokens, "wall_s": wall,
-                 "tokens_per_s": tokens / wall if wall > 0 else 0.0}
-    rep, overlap = [], []
-    per_cat: dict[str, dict] = defaultdict(lambda: {"tokens": 0, "wall_s": 0.0, "row_forwards": 0, "num_prompts": 0})
-    for c in calls:
-        call_tokens = max(sum(len(s) for s in c.sequences), 1)
-        for row, (p, seq) in enumerate(zip(c.prompts, c.sequences)):
-            r, o = repetition(seq, prompt_ids[p])
-            rep.append(r)
-            overlap.append(o)
-            cat = per_cat[categories[p]]
-            cat["tokens"] += len(seq)
-            cat["wall_s"] += c.wall_s * (len(seq) / call_tokens if len(c.sequences) > 1 else 1.0)
-            cat["num_prompts"] += 1
-            if c.stats is not None:
-                cat["row_forwards"] += c.stats["per_row_forwards"][row]
-    out["repetition"] = {"repeated_4gram_frac": mean_std(rep)[0], "prompt_4gram_overlap": mean_std(overlap)[0]}
     engine = [c for c in calls if c.stats is not None]
+    out = MethodSummary(kind=kind, num_prompts=sum(len(c.prompts) for c in calls), tokens=tokens, wall_s=wall,
+                        tokens_per_s=tokens / wall if wall > 0 else 0.0, repetition=_repetition(calls, prompt_ids))
     if engine:
-        s = {k: 0.0 for k in ("time_draft", "time_verify", "time_prefill", "time_other")}
-        acc: list[int] = []
-        drafted: list[int] = []
-        row_fwd = fwd = 0
-        taus = []
-        for c in engine:
-            for k in s:
-                s[k] += c.stats[k]
-            _add(acc, c.stats["accept_counts"])
-            _add(drafted, c.stats["draft_counts"])
-            row_fwd += c.stats["row_forwards"]
-            fwd += c.stats["target_forwards"]
-            taus += [t / max(f, 1) for t, f in zip(c.stats["per_row_tokens"], c.stats["per_row_forwards"])]
-        out["tau"] = tokens / max(row_fwd, 1)
-        out["tau_mean"], out["tau_std"] = mean_std(taus)
-        out["tau_per_prompt"] = taus
-        out["target_forwards"] = fwd
-        out["row_forwards"] = row_fwd
-        out["accept_counts"], out["draft_counts"] = acc, drafted
-        out["acceptance"] = [a / d if d else 0.0 for a, d in zip(acc, drafted)]
-        out["drafted_per_cycle"] = sum(drafted) / max(row_fwd, 1)
-        out["time_split"] = {k.removeprefix("time_"): v for k, v in s.items()}
-        lengths: list[int] = []
-        parts: dict[str, int] = defaultdict(int)
-        for c in engine:
-            _add(lengths, c.stats.get("chosen_lengths") or [])
-            for k, v in (c.stats.get("chosen_parts") or {}).items():
-                parts[k] += v
-        if sum(lengths) or parts:  # filled by adaptive / hybrid proposers only
-            out["chosen_lengths"], out["chosen_parts"] = lengths, dict(sorted(parts.items()))
-    out["per_category"] = {
-        k: {**v, "tokens_per_s": v["tokens"] / v["wall_s"] if v["wall_s"] > 0 else 0.0,
-            **({"tau": v["tokens"] / max(v["row_forwards"], 1)} if engine else {})}
-        for k, v in sorted(per_cat.items())
-    }
-    if not engine:
-        for v in out["per_category"].values():
-            v.pop("row_forwards")
+        _add_engine_figures(out, engine)
+        _add_choices(out, engine)
+    out.per_category = _per_category(calls, categories, engine=bool(engine))
     return out
 
 
-def add_speedups(methods: dict[str, dict], baselines: list[str]) -> None:
-    """Adds `speedup` {vs_<baseline>: baseline wall / method wall} to every method, overall and
-    per category, plus `speedup_per_prompt_std` when both ran at batch 1 (the spread)."""
+def _repetition(calls: list[Call], prompt_ids: list[list[int]]) -> Repetition:
+    """Mean repeated-4-gram fraction and prompt overlap over every output."""
+    pairs = [repetition(seq, prompt_ids[p]) for c in calls for p, seq in zip(c.prompts, c.sequences)]
+    return Repetition(repeated_4gram_frac=mean_std([r for r, _ in pairs])[0],
+                      prompt_4gram_overlap=mean_std([o for _, o in pairs])[0])
+
+
+def _add_engine_figures(out: MethodSummary, engine: list[Call]) -> None:
+    """tau, acceptance per position, forwards and the time split, from the engine's stats."""
+    split = {k: 0.0 for k in ("draft", "verify", "prefill", "other")}
+    acc: list[int] = []
+    drafted: list[int] = []
+    taus: list[float] = []
+    row_fwd = fwd = 0
+    for c in engine:
+        for k in split:
+            split[k] += c.stats[f"time_{k}"]
+        _add(acc, c.stats["accept_counts"])
+        _add(drafted, c.stats["draft_counts"])
+        row_fwd += c.stats["row_forwards"]
+        fwd += c.stats["target_forwards"]
+        taus += [t / max(f, 1) for t, f in zip(c.stats["per_row_tokens"], c.stats["per_row_forwards"])]
+    out.tau = out.tokens / max(row_fwd, 1)
+    out.tau_mean, out.tau_std = mean_std(taus)
+    out.tau_per_prompt, out.target_forwards, out.row_forwards = taus, fwd, row_fwd
+    out.accept_counts, out.draft_counts = acc, drafted
+    out.acceptance = [a / d if d else 0.0 for a, d in zip(acc, drafted)]
+    out.drafted_per_cycle = sum(drafted) / max(row_fwd, 1)
+    out.time_split = TimeSplit(**split)
+
+
+def _add_choices(out: MethodSummary, engine: list[Call]) -> None:
+    """chosen_lengths / chosen_parts, summed over calls (filled by adaptive / hybrid proposers only)."""
+    lengths: list[int] = []
+    parts: dict[str, int] = defaultdict(int)
+    for c in engine:
+        _add(lengths, c.stats.get("chosen_lengths") or [])
+        for k, v in (c.stats.get("chosen_parts") or {}).items():
+            parts[k] += v
+    if sum(lengths) or parts:
+        out.chosen_lengths, out.chosen_parts = lengths, dict(sorted(parts.items()))
+
+
+def _per_category(calls: list[Call], categories: list[str], *, engine: bool) -> dict[str, CategorySummary]:
+    """Tokens, time, prompts (and row forwards, tau for engine methods) per benchmark category; at
+    batch > 1 a call's wall time is split between its rows in proportion to their tokens."""
+    per_cat: dict[str, CategorySummary] = defaultdict(lambda: CategorySummary(row_forwards=0 if engine else None))
+    for c in calls:
+        call_tokens = max(sum(len(s) for s in c.sequences), 1)
+        for row, (p, seq) in enumerate(zip(c.prompts, c.sequences)):
+            cat = per_cat[categories[p]]
+            cat.tokens += len(seq)
+            cat.wall_s += c.wall_s * (len(seq) / call_tokens if len(c.sequences) > 1 else 1.0)
+            cat.num_prompts += 1
+            if c.stats is not None:
+                cat.row_forwards += c.stats["per_row_forwards"][row]
+    for v in per_cat.values():
+        v.tokens_per_s = v.tokens / v.wall_s if v.wall_s > 0 else 0.0
+        v.tau = v.tokens / max(v.row_forwards, 1) if engine else None
+    return dict(sorted(per_cat.items()))
+
+
+def add_speedups(methods: dict[str, MethodSummary], baselines: list[str]) -> None:
+    """Sets `speedup` {vs_<baseline>: baseline wall / method wall} on every method, overall and
+    per category."""
     for m in methods.values():
-        m["speedup"] = {}
+        m.speedup = {}
         for b in baselines:
-            if b not in methods or m["wall_s"] <= 0:
+            if b not in methods or m.wall_s <= 0:
                 continue
-            m["speedup"][f"vs_{b}"] = methods[b]["wall_s"] / m["wall_s"]
-            for cat, v in m["per_category"].items():
-                base = methods[b]["per_category"].get(cat)
-                if base and v["wall_s"] > 0:
-                    v.setdefault("speedup", {})[f"vs_{b}"] = base["wall_s"] / v["wall_s"]
+            m.speedup[f"vs_{b}"] = methods[b].wall_s / m.wall_s
+            for cat, v in m.per_category.items():
+                base = methods[b].per_category.get(cat)
+                if base is not None and v.wall_s > 0:
+                    v.speedup = v.speedup if v.speedup is not None else {}
+                    v.speedup[f"vs_{b}"] = base.wall_s / v.wall_s
 
 
-def add_prompt_speedups(methods: dict[str, dict], walls: dict[str, list[float]], baseline: str) -> None:
-    """Per-prompt speedup spread vs `baseline` from per-prompt wall times (batch 1 runs)."""
-    if baseline not in walls:
+def add_prompt_speedups(methods: dict[str, MethodSummary], walls: dict[str, list[float]]) -> None:
+    """Per-prompt speedup spread vs target-only decoding from per-prompt wall times (batch 1 runs)."""
+    if "target" not in walls:
         return
     for name, w in walls.items():
-        if name in methods and len(w) == len(walls[baseline]):
-            ratios = [b / x for b, x in zip(walls[baseline], w) if x > 0]
-            mu, sd = mean_std(ratios)
-            methods[name][f"speedup_per_prompt_vs_{baseline}"] = {"mean": mu, "std": sd}
+        if name in methods and len(w) == len(walls["target"]):
+            mu, sd = mean_std([b / x for b, x in zip(walls["target"], w) if x > 0])
+            methods[name].speedup_per_prompt_vs_target = Spread(mean=mu, std=sd)
 
 
-def theory(method: dict, target: dict | None) -> dict | None:
+def theory(method: MethodSummary, target: MethodSummary | None) -> Theory | None:
     """Predicted vs measured speedup over target-only decoding, from measured acceptance and costs.
 
     Costs are per cycle (one target forward): t_step = target-only seconds per forward (draft +
@@ -206,22 +225,22 @@ def theory(method: dict, target: dict | None) -> dict | None:
     `verify_ratio` = method's verify forward / target-only step: > 1 when verifying gamma+1
     tokens costs more than decoding one, which the formula ignores.
     """
-    if "tau" not in method or target is None or "tau" not in target or target["target_forwards"] == 0:
+    if method.tau is None or target is None or target.tau is None or target.target_forwards == 0:
         return None
-    ts = target["time_split"]
-    t_step = (ts["draft"] + ts["verify"] + ts["other"]) / target["target_forwards"]
-    f = max(method["target_forwards"], 1)
-    sp = method["time_split"]
-    draft, verify, other = sp["draft"] / f, sp["verify"] / f, sp["other"] / f
-    gamma = method["drafted_per_cycle"]
+    ts = target.time_split
+    t_step = (ts.draft + ts.verify + ts.other) / target.target_forwards
+    f = max(method.target_forwards, 1)
+    sp = method.time_split
+    draft, verify, other = sp.draft / f, sp.verify / f, sp.other / f
+    gamma = method.drafted_per_cycle
     c = (draft / gamma) / t_step if gamma > 0 and t_step > 0 else 0.0
-    alpha = method["acceptance"][0] if method["acceptance"] else 0.0
-    return {
-        "alpha": alpha, "gamma": gamma, "c": c, "t_step_s": t_step,
-        "draft_s_per_cycle": draft, "verify_s_per_cycle": verify, "other_s_per_cycle": other,
-        "verify_ratio": verify / t_step if t_step > 0 else 0.0,
-        "tau_iid": iid_tau(alpha, gamma),
-        "speedup_iid": iid_speedup(alpha, gamma, c),
-        "speedup_formula_measured_tau": method["tau"] / (gamma * c + 1.0),
-        "speedup_cost_model": method["tau"] * t_step / (draft + verify + other) if draft + verify + other > 0 else 0.0,
-    }
+    alpha = method.acceptance[0] if method.acceptance else 0.0
+    return Theory(
+        alpha=alpha, gamma=gamma, c=c, t_step_s=t_step,
+        draft_s_per_cycle=draft, verify_s_per_cycle=verify, other_s_per_cycle=other,
+        verify_ratio=verify / t_step if t_step > 0 else 0.0,
+        tau_iid=iid_tau(alpha, gamma),
+        speedup_iid=iid_speedup(alpha, gamma, c),
+        speedup_formula_measured_tau=method.tau / (gamma * c + 1.0),
+        speedup_cost_model=method.tau * t_step / (draft + verify + other) if draft + verify + other > 0 else 0.0,
+    )

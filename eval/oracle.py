@@ -29,6 +29,8 @@ costs a forward over its active rows only: the engine drops finished rows from t
 figure can exceed what its logged chain explains. At T > 0 the target's tokens depend on the
 draft, so there is no hindsight: `not_applicable` says so.
 
+The result is a `results.OracleBound` (its fields, as results.json holds them: eval/results.py).
+
 Deliberately not here: running anything (runner.py), the cost model itself
 (drafttrain.decode.costmodel: `verify_time(batch, tokens_per_row)` and `draft_time(name, batch)`,
 milliseconds), tables and plots (report.py).
@@ -40,6 +42,8 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from itertools import combinations
 from typing import Protocol
+
+from drafttrain.eval.results import FixedLength, OracleBound, OracleCategory, OracleChoice, OracleRates
 
 __all__ = ["CostModelLike", "RowStep", "Step", "CallSteps", "hindsight_accepted", "visited_steps",
            "oracle_figures", "analyze_calls", "not_applicable", "NOT_APPLICABLE_SAMPLED"]
@@ -140,9 +144,9 @@ def visited_steps(step_log: list[dict], sequences: list[list[int]], prompt_lens:
     return CallSteps(batch=len(sequences), lengths=[len(s) for s in sequences], steps=steps)
 
 
-def not_applicable(reason: str = NOT_APPLICABLE_SAMPLED) -> dict:
+def not_applicable(reason: str = NOT_APPLICABLE_SAMPLED) -> OracleBound:
     """The oracle entry of a run where the bound does not exist (sampling)."""
-    return {"applicable": False, "reason": reason}
+    return OracleBound(applicable=False, reason=reason)
 
 
 # ---- costing ----------------------------------------------------------------------------------
@@ -212,7 +216,8 @@ def _per_s(tokens: float, ms: float) -> float:
     return 1000.0 * tokens / ms if ms > 0 else 0.0
 
 
-def oracle_figures(calls: list[CallSteps], cost: CostModelLike, *, measured_tokens_per_s: float | None = None) -> dict:
+def oracle_figures(calls: list[CallSteps], cost: CostModelLike, *,
+                   measured_tokens_per_s: float | None = None) -> OracleBound:
     """The oracle bound, the achieved figure and the fixed-length baselines over visited steps.
 
     Args:
@@ -222,13 +227,8 @@ def oracle_figures(calls: list[CallSteps], cost: CostModelLike, *, measured_toke
             expressed in measured units (measured x oracle / achieved under the model).
 
     Returns:
-        {applicable, along, parts, steps, row_steps, tau_achieved, tau_oracle,
-        tokens_per_s_model: {target, achieved, oracle}, speedup_model: {achieved, oracle},
-        oracle_over_achieved, tokens_per_s_measured?, tokens_per_s_oracle?,
-        oracle_choice: {lengths: histogram, parts: {part | "none": row-steps}},
-        fixed: {part: {best_gamma, tokens_per_s_model, tau, speedup_model, by_gamma: {g: tok/s}}},
-        per_category: {cat: {row_steps, tau_achieved, tau_oracle, tokens_per_s_model_achieved,
-        tokens_per_s_model_oracle}}}. Tokens/s "model" figures come from the cost model.
+        An applicable `OracleBound` (its fields: eval/results.py). Tokens/s "model" figures come
+        from the cost model.
     """
     costs = _Costs(cost)
     parts = sorted({p for c in calls for s in c.steps for r in s.rows for p in r.proposed})
@@ -243,7 +243,38 @@ def oracle_figures(calls: list[CallSteps], cost: CostModelLike, *, measured_toke
                 for b, s in flat]
     options = [_options(s, b, parts, costs) for b, s in flat]
     ratio, picks = _best_ratio(options)
+    cat, lengths, chosen_parts = _tally(flat, achieved, options, picks)
 
+    a_tok, a_ms = sum(t for t, _ in achieved), sum(m for _, m in achieved)
+    o_tok = sum(o[i][0] for o, i in zip(options, picks))
+    o_ms = sum(o[i][1] for o, i in zip(options, picks))
+    target = _per_s(target_tok, target_ms)
+    rates = OracleRates(target=target, achieved=_per_s(a_tok, a_ms), oracle=ratio * 1000.0)
+    over = (o_tok / o_ms) / (a_tok / a_ms) if a_tok > 0 and o_ms > 0 else 0.0
+    return OracleBound(
+        applicable=True, along="the steps this method visited (T = 0); per-step hindsight choices, cost-model time",
+        parts=parts, steps=len(flat), row_steps=row_steps,
+        tau_achieved=a_tok / max(row_steps, 1),
+        tau_oracle=sum(c["oracle_tau_tok"] for c in cat.values()) / max(row_steps, 1),
+        tokens_per_s_model=rates, oracle_over_achieved=over,
+        oracle_choice=OracleChoice(lengths=[lengths[k] for k in range(max(lengths, default=-1) + 1)],
+                                   parts=dict(sorted(chosen_parts.items()))),
+        fixed={p: _fixed(flat, p, costs, target) for p in parts},
+        speedup_model=OracleRates(achieved=rates.achieved / target if target > 0 else 0.0,
+                                  oracle=rates.oracle / target if target > 0 else 0.0),
+        tokens_per_s_measured=measured_tokens_per_s,
+        tokens_per_s_oracle=None if measured_tokens_per_s is None else measured_tokens_per_s * over,
+        per_category={k: OracleCategory(row_steps=int(v["row_steps"]), tau_achieved=v["emitted"] / v["row_steps"],
+                                        tau_oracle=v["oracle_tau_tok"] / v["row_steps"],
+                                        tokens_per_s_model_achieved=_per_s(v["emitted"], v["achieved_ms"]),
+                                        tokens_per_s_model_oracle=_per_s(v["oracle_tok"], v["oracle_ms"]))
+                      for k, v in sorted(cat.items())},
+    )
+
+
+def _tally(flat: list[tuple[int, Step]], achieved: list[tuple[float, float]], options: list, picks: list[int]):
+    """Per category sums over the (row, step) pairs (a batched step's time shared by its rows),
+    and the oracle's chosen lengths and parts: (categories, lengths, parts)."""
     cat: dict[str, dict] = defaultdict(lambda: defaultdict(float))
     lengths: Counter = Counter()
     chosen_parts: Counter = Counter()
@@ -255,42 +286,15 @@ def oracle_figures(calls: list[CallSteps], cost: CostModelLike, *, measured_toke
             c["emitted"] += r.emitted
             c["oracle_tau_tok"] += min(1 + max(r.accepted.values(), default=0), r.remaining)
             c["oracle_tok"] += min(1 + d, r.remaining)
-            c["achieved_ms"] += a_ms / len(s.rows)  # a batched step's time, shared by its rows
+            c["achieved_ms"] += a_ms / len(s.rows)
             c["oracle_ms"] += o_ms / len(s.rows)
             lengths[d] += 1
             chosen_parts[part or "none"] += 1
-
-    a_tok, a_ms = sum(t for t, _ in achieved), sum(m for _, m in achieved)
-    o_tok = sum(o[i][0] for o, i in zip(options, picks))
-    o_ms = sum(o[i][1] for o, i in zip(options, picks))
-    target = _per_s(target_tok, target_ms)
-    out = {
-        "applicable": True,
-        "along": "the steps this method visited (T = 0); per-step hindsight choices, cost-model time",
-        "parts": parts, "steps": len(flat), "row_steps": row_steps,
-        "tau_achieved": a_tok / max(row_steps, 1),
-        "tau_oracle": sum(c["oracle_tau_tok"] for c in cat.values()) / max(row_steps, 1),
-        "tokens_per_s_model": {"target": target, "achieved": _per_s(a_tok, a_ms), "oracle": ratio * 1000.0},
-        "oracle_over_achieved": (o_tok / o_ms) / (a_tok / a_ms) if a_tok > 0 and o_ms > 0 else 0.0,
-        "oracle_choice": {"lengths": [lengths[k] for k in range(max(lengths, default=-1) + 1)],
-                          "parts": dict(sorted(chosen_parts.items()))},
-        "fixed": {p: _fixed(flat, p, costs, target) for p in parts},
-    }
-    out["speedup_model"] = {k: v / target if target > 0 else 0.0 for k, v in out["tokens_per_s_model"].items()
-                            if k != "target"}
-    if measured_tokens_per_s is not None:
-        out["tokens_per_s_measured"] = measured_tokens_per_s
-        out["tokens_per_s_oracle"] = measured_tokens_per_s * out["oracle_over_achieved"]
-    out["per_category"] = {k: {"row_steps": int(v["row_steps"]), "tau_achieved": v["emitted"] / v["row_steps"],
-                               "tau_oracle": v["oracle_tau_tok"] / v["row_steps"],
-                               "tokens_per_s_model_achieved": _per_s(v["emitted"], v["achieved_ms"]),
-                               "tokens_per_s_model_oracle": _per_s(v["oracle_tok"], v["oracle_ms"])}
-                           for k, v in sorted(cat.items())}
-    return out
+    return cat, lengths, chosen_parts
 
 
 def analyze_calls(calls: list, prompt_ids: list[list[int]], categories: list[str], cost: CostModelLike | None, *,
-                  temperature: float, measured_tokens_per_s: float | None = None) -> dict:
+                  temperature: float, measured_tokens_per_s: float | None = None) -> OracleBound:
     """`oracle_figures` over one method's runner calls (`metrics.Call` with a step log in stats).
 
     Returns `not_applicable(...)` at T > 0, without a cost model, or when no call has a step log.
@@ -310,7 +314,7 @@ def analyze_calls(calls: list, prompt_ids: list[list[int]], categories: list[str
         return not_applicable(str(e.args[0]) if e.args else "the cost model lacks a part")
 
 
-def _fixed(flat: list[tuple[int, Step]], part: str, costs: _Costs, target: float) -> dict:
+def _fixed(flat: list[tuple[int, Step]], part: str, costs: _Costs, target: float) -> FixedLength:
     """Always `part` with g drafts (g = 1 .. its longest chain) over the same steps; best g."""
     longest = max((r.proposed.get(part, 0) for _, s in flat for r in s.rows), default=0)
     by_gamma, taus = {}, {}
@@ -323,8 +327,8 @@ def _fixed(flat: list[tuple[int, Step]], part: str, costs: _Costs, target: float
             ms += _step_ms(costs, b, drafts)
         by_gamma[g], taus[g] = _per_s(tok, ms), tok / max(rows, 1)
     if not by_gamma:
-        return {"best_gamma": None, "tokens_per_s_model": 0.0, "tau": 0.0, "speedup_model": 0.0, "by_gamma": {}}
+        return FixedLength(best_gamma=None, tokens_per_s_model=0.0, tau=0.0, speedup_model=0.0, by_gamma={})
     best = max(by_gamma, key=by_gamma.get)
-    return {"best_gamma": best, "tokens_per_s_model": by_gamma[best], "tau": taus[best],
-            "speedup_model": by_gamma[best] / target if target > 0 else 0.0,
-            "by_gamma": {str(g): v for g, v in by_gamma.items()}}
+    return FixedLength(best_gamma=best, tokens_per_s_model=by_gamma[best], tau=taus[best],
+                       speedup_model=by_gamma[best] / target if target > 0 else 0.0,
+                       by_gamma={str(g): v for g, v in by_gamma.items()})

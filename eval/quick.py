@@ -49,10 +49,11 @@ def decode_eval(target: nn.Module, proposer, prompts: list[list[int]], *, max_ne
     cats = ["all"] * len(prompts)
     sums = {k: summarize(v, prompts, cats) for k, v in calls.items()}
     s = sums["drafter"]
-    out = {k: s[k] for k in ("tau", "tau_std", "acceptance", "tokens_per_s", "tokens", "wall_s", "time_split")}
+    view = s.to_dict()
+    out = {k: view[k] for k in ("tau", "tau_std", "acceptance", "tokens_per_s", "tokens", "wall_s", "time_split")}
     if baseline:
         add_speedups(sums, ["target"])
-        out["speedup_vs_target"] = s["speedup"]["vs_target"]
+        out["speedup_vs_target"] = s.speedup["vs_target"]
         if temperature == 0:
             ref = {p: q for c in calls["target"] for p, q in zip(c.prompts, c.sequences)}
             out["greedy_match"] = sum(first_divergence(ref[p], q) is None

@@ -26,6 +26,8 @@ adaptive proposers reset to cold before each), and each method's row is its medi
 with every repeat's tokens/s in `tokens_per_s_repeats`: one short call at batch 16 (~10 s on a
 CPU) is at the mercy of the machine, the median of several is not.
 
+Rows are `results.SweepRow`s (their fields, as results.json holds them: eval/results.py).
+
 Deliberately not here: plotting (report.py), choosing the best setting for the user.
 """
 
@@ -34,27 +36,31 @@ from __future__ import annotations
 from dataclasses import replace
 
 from drafttrain.eval.metrics import summarize
+from drafttrain.eval.results import MethodSummary, OracleBound, SweepCategory, SweepRow
 from drafttrain.eval.runner import Method, run_benchmark
 
 __all__ = ["run_sweep", "part_specs"]
 
 
-def _point(summary: dict, base: dict) -> dict:
-    row = {"tokens_per_s": summary["tokens_per_s"], "wall_s": summary["wall_s"],
-           "speedup_vs_target": base["wall_s"] / summary["wall_s"] if summary["wall_s"] > 0 else 0.0}
-    if "tau" in summary:
-        row.update(tau=summary["tau"], acceptance=summary["acceptance"])
-    for k in ("chosen_lengths", "chosen_parts"):
-        if k in summary:
-            row[k] = summary[k]
-    if len(summary["per_category"]) > 1:
-        row["per_category"] = {}
-        for cat, v in summary["per_category"].items():
-            b = base["per_category"].get(cat, {})
-            row["per_category"][cat] = {"tokens_per_s": v["tokens_per_s"],
-                                        "speedup_vs_target": b.get("wall_s", 0.0) / v["wall_s"] if v["wall_s"] > 0 else 0.0,
-                                        **({"tau": v["tau"]} if "tau" in v else {})}
-    return row
+def _point(summary: MethodSummary, base: MethodSummary, **head) -> SweepRow:
+    """One method's row at one point; `head`: its method name, swept value and batch-sweep kind."""
+    return SweepRow(**head, tokens_per_s=summary.tokens_per_s, wall_s=summary.wall_s,
+                    speedup_vs_target=base.wall_s / summary.wall_s if summary.wall_s > 0 else 0.0,
+                    tau=summary.tau, acceptance=summary.acceptance, chosen_lengths=summary.chosen_lengths,
+                    chosen_parts=summary.chosen_parts, per_category=_categories(summary, base))
+
+
+def _categories(summary: MethodSummary, base: MethodSummary) -> dict[str, SweepCategory] | None:
+    """Per category tokens/s, speedup vs target and tau, when there is more than one category."""
+    if len(summary.per_category) <= 1:
+        return None
+    out = {}
+    for cat, v in summary.per_category.items():
+        b = base.per_category.get(cat)
+        base_wall = b.wall_s if b is not None else 0.0
+        out[cat] = SweepCategory(tokens_per_s=v.tokens_per_s, tau=v.tau,
+                                 speedup_vs_target=base_wall / v.wall_s if v.wall_s > 0 else 0.0)
+    return out
 
 
 def part_specs(name: str) -> list[str]:
@@ -68,8 +74,8 @@ def part_specs(name: str) -> list[str]:
 
 def run_sweep(kind: str, target, methods: list[Method], prompts: list[list[int]], categories: list[str], *,
               values: list[int], tree_setting, fixed_gammas: list[int] | None = None, oracle=None,
-              repeats: int = 1, progress: bool = False, **run_kw) -> list[dict]:
-    """Runs one sweep; returns rows {method, <kind>: value, tokens_per_s, speedup_vs_target, tau?}.
+              repeats: int = 1, progress: bool = False, **run_kw) -> list[SweepRow]:
+    """Runs one sweep; returns its rows (method, <kind>: value, tokens/s, speedup vs target, tau, ...).
 
     Args:
         kind: "gamma", "tree_budget" or "batch_size".
@@ -77,8 +83,8 @@ def run_sweep(kind: str, target, methods: list[Method], prompts: list[list[int]]
         values: the setting's values.
         tree_setting: callable budget -> tree argument (for tree_budget).
         fixed_gammas: batch_size sweep: chain lengths every non-adaptive proposer runs at.
-        oracle: batch_size sweep: callable (adaptive Method, batch size, its summary) -> oracle dict
-            or None (the harness re-runs the method untimed with step logs); adds an `oracle` row
+        oracle: batch_size sweep: callable (adaptive Method, batch size, its MethodSummary) ->
+            OracleBound or None (the harness re-runs the method untimed with step logs); adds an `oracle` row
             per adaptive method whose dict is applicable.
         repeats: batch_size sweep: timed runs per batch size (median per method).
         progress: show a progress bar with ETA (one tick per generate call).
@@ -100,16 +106,20 @@ def run_sweep(kind: str, target, methods: list[Method], prompts: list[list[int]]
     run_kw["on_call"] = lambda name, call: (bar.set_postfix_str(name, refresh=False), bar.update(1))
     try:
         if kind == "batch_size":
-            return _batch_sweep(target, target_m, swept, prompts, categories, values, fixed_gammas or [], oracle,
+            rows = _batch_sweep(target, target_m, swept, prompts, categories, values, fixed_gammas or [], oracle,
                                 max(repeats, 1), run_kw)
-        return _value_sweep(kind, target, target_m, swept, prompts, categories, values, tree_setting, run_kw)
+        else:
+            rows = _value_sweep(kind, target, target_m, swept, prompts, categories, values, tree_setting, run_kw)
     finally:
         bar.close()
+    for r in rows:
+        r.temperature = temp
+    return rows
 
 
 def _value_sweep(kind: str, target, target_m: Method, swept: list[Method], prompts, categories, values,
-                 tree_setting, run_kw) -> list[dict]:
-    rows: list[dict] = []
+                 tree_setting, run_kw) -> list[SweepRow]:
+    rows: list[SweepRow] = []
     variants = []
     for m in swept:
         for v in values:
@@ -119,12 +129,12 @@ def _value_sweep(kind: str, target, target_m: Method, swept: list[Method], promp
     calls = run_benchmark(target, [target_m] + [x[2] for x in variants], prompts, batch_size=1, **run_kw)
     base = summarize(calls["target"], prompts, categories)
     for name, v, m in variants:
-        rows.append({"method": name, kind: v, **_point(summarize(calls[m.name], prompts, categories), base)})
+        rows.append(_point(summarize(calls[m.name], prompts, categories), base, method=name, **{kind: v}))
     return rows
 
 
 def _batch_sweep(target, target_m: Method, swept: list[Method], prompts, categories, values, fixed_gammas, oracle,
-                 repeats, run_kw) -> list[dict]:
+                 repeats, run_kw) -> list[SweepRow]:
     run_kw.pop("batch_size", None)
     variants: list[tuple[Method, dict]] = []  # (method to run, row fields)
     for m in swept:
@@ -135,52 +145,59 @@ def _batch_sweep(target, target_m: Method, swept: list[Method], prompts, categor
                                                                            "gamma": g}) for g in fixed_gammas]
         else:
             variants.append((m, {"kind": "proposer"}))
-    rows: list[dict] = []
+    rows: list[SweepRow] = []
     for b in values:
-        runs: list[dict[str, dict]] = []
+        runs: list[dict[str, MethodSummary]] = []
         for _ in range(repeats):
             for m, _ in variants:  # every batch size and repeat starts cold: no point depends on the order
                 if hasattr(m.proposer, "reset"):
                     m.proposer.reset()
             calls = run_benchmark(target, [target_m, *(v[0] for v in variants)], prompts, batch_size=b, **run_kw)
             runs.append({k: summarize(v, prompts, categories) for k, v in calls.items()})
-        sums = {k: sorted((r[k] for r in runs), key=lambda x: x["wall_s"])[(len(runs) - 1) // 2] for k in runs[0]}
+        sums = {k: sorted((r[k] for r in runs), key=lambda x: x.wall_s)[(len(runs) - 1) // 2] for k in runs[0]}
         base = sums["target"]
-        point = [{"method": "target", "batch_size": b, "kind": "target", **_point(base, base)}]
-        point += [{"method": m.name, "batch_size": b, **extra, **_point(sums[m.name], base)} for m, extra in variants]
+        point = [_point(base, base, method="target", batch_size=b, kind="target")]
+        point += [_point(sums[m.name], base, method=m.name, batch_size=b, **extra) for m, extra in variants]
         if repeats > 1:
             for r in point:
-                r["tokens_per_s_repeats"] = [x[r["method"]]["tokens_per_s"] for x in runs]
-        best = _best_fixed(point, b)
+                r.tokens_per_s_repeats = [x[r.method].tokens_per_s for x in runs]
+        best = _best_fixed(point)
         for r in point:
-            if r["kind"] != "adaptive":
-                continue
-            parts = [best[p] for p in part_specs(r["method"]) if p in best] or list(best.values())
-            if parts:
-                top = max(parts, key=lambda x: x["tokens_per_s"])
-                r.update(best_fixed=f"{top['proposer']}@gamma={top['gamma']}", best_fixed_tokens_per_s=top["tokens_per_s"],
-                         margin_vs_best_fixed=r["tokens_per_s"] / top["tokens_per_s"] - 1.0
-                         if top["tokens_per_s"] > 0 else 0.0)
+            if r.kind == "adaptive":
+                _add_margin(r, [best[p] for p in part_specs(r.method) if p in best] or list(best.values()))
         rows += point + list(best.values())
         if oracle is not None:
             rows += [_oracle_row(r, oracle(m, b, sums[m.name]), base, b)
-                     for (m, _), r in zip(variants, point[1:]) if r["kind"] == "adaptive"]
+                     for (m, _), r in zip(variants, point[1:]) if r.kind == "adaptive"]
     return [r for r in rows if r is not None]
 
 
-def _best_fixed(point: list[dict], b: int) -> dict[str, dict]:
+def _best_fixed(point: list[SweepRow]) -> dict[str, SweepRow]:
     """proposer -> its fastest fixed-length row at this batch size, as a `best_fixed` row."""
-    best: dict[str, dict] = {}
+    best: dict[str, SweepRow] = {}
     for r in point:
-        if r["kind"] == "fixed" and (r["proposer"] not in best or r["tokens_per_s"] > best[r["proposer"]]["tokens_per_s"]):
-            best[r["proposer"]] = r
-    return {p: {**r, "method": f"{p}@best", "kind": "best_fixed", "batch_size": b} for p, r in best.items()}
+        if r.kind == "fixed" and (r.proposer not in best or r.tokens_per_s > best[r.proposer].tokens_per_s):
+            best[r.proposer] = r
+    return {p: replace(r, method=f"{p}@best", kind="best_fixed") for p, r in best.items()}
 
 
-def _oracle_row(adaptive: dict, res: dict | None, base: dict, b: int) -> dict | None:
-    if not res or not res.get("applicable"):
+def _add_margin(adaptive: SweepRow, parts: list[SweepRow]) -> None:
+    """The adaptive row against the fastest best-fixed row of its parts (tokens/s ratio - 1)."""
+    if not parts:
+        return
+    top = max(parts, key=lambda x: x.tokens_per_s)
+    adaptive.best_fixed = f"{top.proposer}@gamma={top.gamma}"
+    adaptive.best_fixed_tokens_per_s = top.tokens_per_s
+    adaptive.margin_vs_best_fixed = adaptive.tokens_per_s / top.tokens_per_s - 1.0 if top.tokens_per_s > 0 else 0.0
+
+
+def _oracle_row(adaptive: SweepRow, res: OracleBound | dict | None, base: MethodSummary, b: int) -> SweepRow | None:
+    """The adaptive method's bound as a row (None when it does not apply); a dict `res` is read as
+    an OracleBound."""
+    res = OracleBound.from_dict(res) if isinstance(res, dict) else res
+    if res is None or not res.applicable:
         return None
-    tps = res["tokens_per_s_oracle"]
-    return {"method": f"oracle[{adaptive['method']}]", "batch_size": b, "kind": "oracle", "of": adaptive["method"],
-            "tokens_per_s": tps, "speedup_vs_target": tps / base["tokens_per_s"] if base["tokens_per_s"] > 0 else 0.0,
-            "tau": res["tau_oracle"], "oracle": res}
+    tps = res.tokens_per_s_oracle
+    return SweepRow(method=f"oracle[{adaptive.method}]", batch_size=b, kind="oracle", of=adaptive.method,
+                    tokens_per_s=tps, speedup_vs_target=tps / base.tokens_per_s if base.tokens_per_s > 0 else 0.0,
+                    tau=res.tau_oracle, oracle=res)

@@ -3,14 +3,14 @@
 The card states the base model and revision, the method and its settings, the training data and
 its size, the aux layers (ours and the engine's numbering), the draft vocabulary, the measured τ /
 speedup table with machine and settings when an eval results.json is found (next to the drafter
-or given with --results), and serve commands for vLLM and SGLang. Everything goes through
-`security.scrub_text`.
+or given with --results), and serve commands (written by the drafter's engine layout, which its
+method names). Everything goes through `security.scrub_text`.
 
 What it does not do: measure anything. Without eval results the card says so and shows only the
 training run's held-out *simulated* τ.
 
 Results read: `drafttrain eval`'s results.json (schema_version 1 or 2, documented in
-eval/report.py: `benchmark.name`, `machine`, `config`, `runs[].temperature`,
+eval/results.py: `benchmark.name`, `machine`, `config`, `runs[].temperature`,
 `runs[].methods.{name}.tau` and `.speedup.vs_target`), and, tolerantly, a flat form {"results":
 [{"proposer", "benchmark", "temperature", "tau", "speedup"}], "machine", "settings"} or a bare
 list of such rows (`method` / `mean_accepted` / `dataset` accepted as aliases).
@@ -19,10 +19,10 @@ list of such rows (`method` / `mean_accepted` / `dataset` accepted as aliases).
 from __future__ import annotations
 
 import json
-import shlex
 from pathlib import Path
 
-from drafttrain.export import ExportError
+from drafttrain.errors import ExportError
+from drafttrain.export.formats import method_of
 from drafttrain.export.security import scrub_text
 
 RESULTS_NAMES = ("results.json", "eval/results.json", "eval_results.json")
@@ -107,41 +107,9 @@ def results_table(res: dict) -> str:
 
 
 def serve_commands(meta: dict, *, model_ref: str, verifier: str, fmt: str, trust_remote_code: bool) -> str:
-    """vLLM and SGLang launch lines for this drafter (`model_ref`: Hub repo id or folder)."""
-    method = meta.get("method", "eagle3")
-    trc = " --trust-remote-code" if trust_remote_code else ""
-    v, m = shlex.quote(verifier), shlex.quote(model_ref)
-    if method == "eagle3":
-        spec = json.dumps({"method": "eagle3", "model": model_ref, "num_speculative_tokens": 3})
-        vllm = f"vllm serve {v}{trc} --speculative-config {shlex.quote(spec)}"
-        sglang = (f"python -m sglang.launch_server --model-path {v}{trc} --speculative-algorithm EAGLE3 "
-                  f"--speculative-draft-model-path {m} --speculative-num-steps 3 --speculative-eagle-topk 4 "
-                  "--speculative-num-draft-tokens 8")
-        # Each engine numbers aux layers differently (SGLang = vLLM - 1): a folder serves only its own engine.
-        if fmt == "vllm":
-            vllm = f"# the speculators config names the verifier, so this alone works:\nvllm serve {m}{trc}\n# or explicitly:\n{vllm}"
-        else:
-            vllm = f"# export with `drafttrain export DRAFTER --format vllm --out DIR` first, then (model = DIR):\n{vllm}"
-        if fmt != "sglang":
-            sglang = f"# export with `drafttrain export DRAFTER --format sglang --out DIR` first, then (draft = DIR):\n{sglang}"
-        return f"vLLM:\n\n```bash\n{vllm}\n```\n\nSGLang:\n\n```bash\n{sglang}\n```\n"
-    if method == "draft_lm":
-        spec = json.dumps({"model": model_ref, "num_speculative_tokens": 5})
-        return (f"transformers: `target.generate(**inputs, assistant_model=AutoModelForCausalLM.from_pretrained("
-                f"{model_ref!r}))`\n\nvLLM (draft model):\n\n```bash\nvllm serve {v}{trc} --speculative-config "
-                f"{shlex.quote(spec)}\n```\n\nSGLang:\n\n```bash\npython -m sglang.launch_server --model-path {v}{trc} "
-                f"--speculative-algorithm STANDALONE --speculative-draft-model-path {m} --speculative-num-steps 4 "
-                "--speculative-eagle-topk 1 --speculative-num-draft-tokens 5\n```\n")
-    if method in ("medusa1", "medusa2"):
-        k = (meta.get("drafter") or {}).get("num_heads", 3)
-        spec = json.dumps({"method": "medusa", "model": model_ref, "num_speculative_tokens": k})
-        note = ("# Medusa-2: the verifier must be the ADAPTED target (<drafter>/merged_target, saved with\n"
-                "# medusa.save_merged=true); the heads were trained on it.\n" if method == "medusa2" else "")
-        return (f"vLLM (MedusaModel layout from `--format vllm`):\n\n```bash\n{note}vllm serve {v}{trc} "
-                f"--speculative-config {shlex.quote(spec)}\n```\n\nSGLang: no Medusa export.\n")
-    spec = json.dumps({"method": "eagle", "model": model_ref, "num_speculative_tokens": 3})
-    return (f"vLLM (EAGLE-1 layout from `--format vllm`):\n\n```bash\nvllm serve {v}{trc} --speculative-config "
-            f"{shlex.quote(spec)}\n```\n\nSGLang: not exported for EAGLE-1 by drafttrain yet.\n")
+    """Engine launch lines for this drafter (`model_ref`: Hub repo id or folder), from its method."""
+    return method_of(meta.get("method")).serve_command(meta, model_ref=model_ref, verifier=verifier, fmt=fmt,
+                                                       trust_remote_code=trust_remote_code)
 
 
 def render_card(meta: dict, *, fmt: str, model_ref: str, verifier: str | None = None,
@@ -157,7 +125,7 @@ def render_card(meta: dict, *, fmt: str, model_ref: str, verifier: str | None = 
     aux_line = f"- aux layers: {aux} (HF `hidden_states` indices: 0 = embeddings, j = output of layer j-1)"
     if engine_aux:
         aux_line += f"; in {engine_aux[0]}'s numbering: {engine_aux[1]}"
-    if method == "draft_lm":  # reads no target hidden states
+    if not method_of(meta.get("method")).reads_target_features:
         aux_line = "- a standalone causal LM with the target's tokenizer (reads no target hidden states)"
     settings = {k: dr[k] for k in ("draft_vocab_size", "ttt_steps", "step_weight", "feature_weight", "ce_weight",
                                    "noise", "mask_out_of_vocab") if k in dr}
