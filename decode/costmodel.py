@@ -1,7 +1,7 @@
 """Cost model: how long the target's verification forward and each drafter's step take, here.
 
 Measured once per (target, device, dtype, torch threads, torch version) and cached as JSON, it
-answers two questions for adaptive speculation (adaptive.py) and the evaluation's oracle:
+answers two questions for adaptive speculation (proposers/scheduler.py) and the evaluation's oracle:
 
     verify_time(batch, tokens)   ms of one target forward over `tokens` new tokens per row, for
                                  `batch` rows, at the measured context length
@@ -11,7 +11,8 @@ Layout:
     CostModel            the measured grid + per-proposer costs + meta (who, where, when); save / load
     measure_cost_model   times `kv.target_forward` on a filled KV cache and each proposer's steps
     load_or_measure      the cache ($DRAFTTRAIN_CACHE/costs, default ~/.cache/drafttrain/costs), re-measuring only what is missing
-    proposer_key         the name a proposer's cost is filed under ("eagle", "early-exit:2", ...)
+    proposer_key         the name a proposer's cost is filed under ("eagle", "early-exit:2", ...);
+                         defined beside the Proposer interface (proposers/base.py), re-exported here
 
 Interpolation: bilinear inside the grid, after the grid is made non-decreasing in both axes
 (running max: more work never takes less time); beyond the grid, linear with the last segment's
@@ -23,7 +24,7 @@ How a draft step is timed: the proposer runs `speculative_generate` on random pr
 the first call excluded (it catches up on the whole prompt), divided by gamma, median over the
 calls. It includes the drafter's catch-up on the accepted tokens, as in real decoding.
 
-Deliberately not here: choosing lengths (adaptive.py), plotting and the CLI (drafttrain/profiling.py),
+Deliberately not here: choosing lengths (planning.py), plotting and the CLI (drafttrain/profiling.py),
 memory or power models.
 """
 
@@ -42,7 +43,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from drafttrain.decode.proposers.base import Proposer
+from drafttrain.decode.proposers.base import Proposer, proposer_key
 
 __all__ = ["CostModel", "measure_cost_model", "load_or_measure", "proposer_key", "FREE_PROPOSERS",
            "DEFAULT_CACHE_DIR", "default_cache_dir"]
@@ -57,14 +58,6 @@ def default_cache_dir() -> Path:
     root = os.environ.get("DRAFTTRAIN_CACHE")
     return Path(root) / "costs" if root else Path(DEFAULT_CACHE_DIR).expanduser()
 _VERSION = 1
-
-
-def proposer_key(proposer) -> str:
-    """The name a proposer's draft cost is filed under: its `name`, plus K for early exit."""
-    name = getattr(proposer, "name", None) or type(proposer).__name__
-    if name == "early-exit":
-        return f"early-exit:{proposer.num_layers}"
-    return name
 
 
 # ---- interpolation ----------------------------------------------------------------------------------

@@ -5,7 +5,7 @@ over rows: a row counts the verification forwards it was active in. Prefill forw
 counted separately and excluded from τ. Acceptance counts come from verification before any
 EOS / max_new_tokens truncation (they measure the drafter, not the stopping rule).
 
-Adaptive and hybrid proposers (adaptive.py, proposers/hybrid.py) also fill `chosen_lengths`,
+Adaptive and hybrid proposers (proposers/scheduler.py, proposers/hybrid.py) also fill `chosen_lengths`,
 `chosen_parts`, `parts_run`, `modelled_ms` and, with `speculative_generate(..., log_steps=True)`, `step_log`.
 
 Deliberately not here: aggregation across calls or prompts, plotting, reports (eval/).
@@ -38,7 +38,7 @@ class DecodeStats:
         chosen_parts: adaptive / hybrid only: {part name: (row, step) pairs verified with a
             non-empty draft of that part}.
         parts_run: adaptive / hybrid only: {part name: steps in which the part drafted} (a
-            hybrid's skip rule keeps parts that cannot pay out of a step; see adaptive.py).
+            hybrid's skip rule keeps parts that cannot pay out of a step; see proposers/hybrid.py).
         modelled_ms: adaptive / hybrid with a cost model: the cost model's time of every step
             (drafting of the parts that ran + verification of the tree), summed.
         step_log: only with `log_steps=True` (adaptive / hybrid): one dict per active row per step,

@@ -5,9 +5,10 @@ a draft); nodes 1..N-1 are drafts; `parents[b, i] < i`, `parents[b, 0] = -1`, pa
 have parent -2. `draft_probs[b, i]` is the processed draft distribution the children of node i
 were drawn from, or None for a deterministic drafter (argmax / top-k candidates).
 `confidence[b, i]` (optional) is the drafter's raw confidence in node i, known BEFORE node i's
-token was drawn (so adaptive schedulers may act on it without anticipating, see adaptive.py):
-the drafter's probability of its top token at the parent (softmax at T = 0, the processed q at
-T > 0), a top-k candidate's own probability, or a match-length score (n-gram); node 0 = 1.
+token was drawn (so adaptive schedulers may act on it without anticipating, see
+proposers/scheduler.py): the drafter's probability of its top token at the parent (softmax at
+T = 0, the processed q at T > 0), a top-k candidate's own probability, or a match-length score
+(n-gram); node 0 = 1.
 
 Three shapes:
   * chain: one branch of gamma drafts (`chain_tree`);
@@ -15,6 +16,9 @@ Three shapes:
     top-2 at depth 1, top-1 below the top-1 (`StaticTree`);
   * dynamic (EAGLE-2): grown by cumulative draft log-probability, top-k children per node,
     reranked to a token budget (`DynamicTree`, `rerank_to_budget`).
+
+Surgery on drafted trees (adaptive speculation trims and cuts them): `compact_tree` keeps the
+nodes of a mask, `chain_prefix` cuts a chain, `first_path` marks each row's first-child path.
 
 Deliberately not here: running any model, attention masks (kv.py), acceptance (verify.py).
 """
@@ -37,6 +41,9 @@ __all__ = [
     "node_depths",
     "rerank_to_budget",
     "parse_tree",
+    "compact_tree",
+    "chain_prefix",
+    "first_path",
 ]
 
 
@@ -215,3 +222,54 @@ def rerank_to_budget(scores: Tensor, parents: Tensor, budget: int) -> tuple[Tens
     new_parent = torch.where(kept_ok & (new_parent >= 0), new_parent, -2)
     root = torch.full((B, 1), -1, dtype=torch.long, device=scores.device)
     return keep, torch.cat([root, new_parent], 1)
+
+
+# ---- surgery ----------------------------------------------------------------------------------------
+def compact_tree(tree: DraftTree, keep: Tensor) -> tuple[DraftTree, Tensor]:
+    """Drops the nodes not in `keep` [B, N] bool, renumbering per row (kept nodes stay in order).
+
+    Returns:
+        (the tree, kept_ids [B, N'] the old id of each new node, -1 for padding).
+    """
+    B, N = tree.tokens.shape
+    count = keep.sum(1)
+    Np = int(count.max())
+    order = torch.sort((~keep).long(), dim=1, stable=True).indices[:, :Np]  # kept ids first, in order
+    slot_ok = torch.arange(Np, device=keep.device)[None] < count[:, None]
+    kept_ids = torch.where(slot_ok, order, -1)
+    new_of = torch.full((B, N), -1, dtype=torch.long, device=keep.device)
+    new_of.scatter_(1, order, torch.where(slot_ok, torch.arange(Np, device=keep.device).expand(B, -1), -1))
+    idx = kept_ids.clamp(min=0)
+    old_par = tree.parents.gather(1, idx)
+    parents = torch.where(old_par >= 0, new_of.gather(1, old_par.clamp(min=0)), old_par)
+    parents = torch.where(slot_ok, parents, -2)
+    parents[:, 0] = -1
+    probs = None
+    if tree.draft_probs is not None:
+        probs = tree.draft_probs.gather(1, idx[:, :, None].expand(-1, -1, tree.draft_probs.shape[-1]))
+        probs = probs * slot_ok[:, :, None]
+    conf = tree.confidence.gather(1, idx) if tree.confidence is not None else None
+    return DraftTree(tree.tokens.gather(1, idx), parents, probs, conf), kept_ids
+
+
+def chain_prefix(tree: DraftTree, length: int) -> DraftTree:
+    """A chain cut to its first `length` drafts (node ids unchanged)."""
+    n = length + 1
+    return DraftTree(tree.tokens[:, :n], tree.parents[:, :n],
+                     None if tree.draft_probs is None else tree.draft_probs[:, :n],
+                     None if tree.confidence is None else tree.confidence[:, :n])
+
+
+def first_path(tree: DraftTree, depth: int) -> Tensor:
+    """[B, N] bool: the nodes of each row's first-child path down to `depth` (root included)."""
+    B, N = tree.tokens.shape
+    on = torch.zeros(B, N, dtype=torch.bool, device=tree.parents.device)
+    on[:, 0] = True
+    cur = torch.zeros(B, dtype=torch.long, device=on.device)  # last node on the path
+    level = torch.zeros(B, dtype=torch.long, device=on.device)
+    for i in range(1, N):
+        hit = (tree.parents[:, i] == cur) & (level < depth)
+        on[:, i] = hit
+        cur = torch.where(hit, i, cur)
+        level = level + hit.long()
+    return on

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from drafttrain.decode.kernels import resolve_impl
+from drafttrain.decode.kernels.dispatch import resolve_impl
 from drafttrain.decode.kernels.rejection import rejection_sample
 from drafttrain.decode.sampling import (
     STREAM_ACCEPT,

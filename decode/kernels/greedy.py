@@ -12,10 +12,12 @@ backward pass.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor
 
-from drafttrain.decode.kernels import resolve_impl
+from drafttrain.decode.kernels.dispatch import resolve_impl
 
 __all__ = ["greedy_lm_head_argmax", "greedy_lm_head_argmax_ref", "greedy_lm_head_argmax_triton"]
 
@@ -87,14 +89,9 @@ def greedy_lm_head_argmax_triton(hidden: Tensor, weight: Tensor, softcap: float 
     return part_idx.gather(1, blk)[:, 0]
 
 
-_KERNEL = None
-
-
+@functools.cache
 def _argmax_kernel():
     """Builds the @triton.jit kernel on first use (keeps triton out of module import)."""
-    global _KERNEL
-    if _KERNEL is not None:
-        return _KERNEL
     import triton
     import triton.language as tl
 
@@ -124,5 +121,4 @@ def _argmax_kernel():
         tl.store(val_ptr + out, val, mask=offs_m < M)
         tl.store(idx_ptr + out, (idx + pid_v * BLOCK_V).to(tl.int64), mask=offs_m < M)
 
-    _KERNEL = kernel
     return kernel

@@ -23,10 +23,12 @@ is what makes them comparable bit for bit).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor
 
-from drafttrain.decode.kernels import resolve_impl
+from drafttrain.decode.kernels.dispatch import resolve_impl
 from drafttrain.decode.sampling import process_logits
 
 __all__ = ["rejection_sample", "rejection_sample_ref", "rejection_sample_triton"]
@@ -114,14 +116,9 @@ def rejection_sample_triton(logits: Tensor, draft_tokens: Tensor, draft_probs: T
     return accepted.bool(), tokens
 
 
-_KERNEL = None
-
-
+@functools.cache
 def _rejection_kernel():
     """Builds the @triton.jit kernel on first use (keeps triton out of module import)."""
-    global _KERNEL
-    if _KERNEL is not None:
-        return _KERNEL
     import triton
     import triton.language as tl
 
@@ -198,5 +195,4 @@ def _rejection_kernel():
         tok = tl.where(top_r > 0, tok_r, tok_p)
         tl.store(tok_ptr + row, tok.to(tl.int64))
 
-    _KERNEL = kernel
     return kernel

@@ -5,10 +5,9 @@ Registry (spec string -> proposer):
     "corpus:FILE"             lookup in a corpus of the target's own answers, a chat JSON / JSONL
                               such as `drafttrain regenerate temperature=0` writes (CorpusProposer)
     "early-exit:K"            the target's first K layers (EarlyExitProposer)
-    <drafter folder>          drafttrain drafter (config.json "method": eagle3 / eagle1 / medusa1 /
-                              medusa2; Medusa-2 needs its adapted target, see MedusaProposer)
-    <draft LM folder>         drafttrain draft LM (drafttrain.json beside HF's config.json; checked
-                              against the target's vocab and tokenizer hash) (DraftLMProposer)
+    <drafter folder>          a drafttrain drafter folder: the method it names (config.json, or
+                              drafttrain.json beside a draft LM's HF config) loads it
+                              (drafttrain.methods: `load_proposer` of each method)
     <HF causal LM path / id>  standalone draft LM with the target's tokenizer (DraftLMProposer)
     "adaptive:<spec>"         <spec> with its draft length chosen per step (AdaptiveProposer),
                               e.g. "adaptive:ngram", "adaptive:runs/eagle/drafter"
@@ -19,48 +18,37 @@ The composite specs take `cost_model=` (a CostModel or the path of its JSON, see
 adaptive ones without it measure the target once and cache the result
 (`costmodel.load_or_measure`, ~/.cache/drafttrain/costs). `max_gamma=` caps adaptive lengths;
 other options go to the parts. Part specs may not contain "+".
-A `Proposer` instance passes through; an `EagleDrafter` or an HF causal-LM module is wrapped.
+A `Proposer` instance passes through; a drafter module is wrapped by the method that claims it
+(`proposer_for_module`), any other module as an HF causal LM.
 `check_specs(specs)` (specs.py) checks spec strings without loading anything; `load_proposer`
 runs it first, and commands run it before they load the target.
+
+Composites: scheduler.py (the adaptive loop, AdaptiveProposer) and hybrid.py (HybridProposer).
 
 Deliberately not here: drafting logic (one module per family), verification.
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from torch import nn
 
 from drafttrain.decode.proposers.base import NodeDrafter, Proposer
 from drafttrain.decode.proposers.corpus import CorpusProposer
-from drafttrain.decode.proposers.draft_lm import DraftLMProposer
+from drafttrain.decode.proposers.draft_lm import DraftLMProposer, check_draft_vocab
 from drafttrain.decode.proposers.eagle import EagleProposer
 from drafttrain.decode.proposers.early_exit import EarlyExitProposer
+from drafttrain.decode.proposers.hybrid import HybridProposer
 from drafttrain.decode.proposers.medusa import MedusaProposer
 from drafttrain.decode.proposers.ngram import NGramProposer
-from drafttrain.decode.proposers.specs import (
-    COMPOSITE,
-    DRAFTER_METHODS,
-    FORMS,
-    check_spec,
-    check_specs,
-    drafter_method,
-)
+from drafttrain.decode.proposers.scheduler import AdaptiveProposer
+from drafttrain.decode.proposers.specs import COMPOSITE, FORMS, check_spec, check_specs
+from drafttrain.methods.registry import folder_method, get_method, method_names
 
 __all__ = ["Proposer", "NodeDrafter", "NGramProposer", "CorpusProposer", "EarlyExitProposer", "DraftLMProposer",
-           "EagleProposer", "MedusaProposer", "HybridProposer", "load_proposer", "check_spec", "check_specs",
-           "PROPOSERS", "COMPOSITE"]
-
-def __getattr__(name: str):
-    # HybridProposer is built on drafttrain.decode.adaptive, which imports this package's base
-    # module: importing it lazily keeps the import graph acyclic.
-    if name == "HybridProposer":
-        from drafttrain.decode.proposers.hybrid import HybridProposer
-
-        return HybridProposer
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+           "EagleProposer", "MedusaProposer", "AdaptiveProposer", "HybridProposer", "load_proposer", "check_spec",
+           "check_specs", "PROPOSERS", "COMPOSITE"]
 
 
 #: spec prefix -> factory(target, arg, **options); "corpus:FILE" and the COMPOSITE prefixes
@@ -109,32 +97,15 @@ def load_proposer(spec_or_path, target: nn.Module, *, tokenizer=None, **options)
     if name in PROPOSERS and not Path(spec).exists():
         return PROPOSERS[name](target, arg or None, **options)
     folder = Path(spec)
-    if (folder / "drafttrain.json").is_file():  # a drafttrain draft LM: a plain HF folder + metadata
-        from drafttrain.models.draft_lm import load_draft_lm
-
-        model = load_draft_lm(folder, target, tokenizer)
-        _check_vocab(model, target)
-        return DraftLMProposer(model, **options)
-    if (folder / "config.json").is_file():
-        method = drafter_method(json.loads((folder / "config.json").read_text()))
-        if method in ("eagle3", "eagle1"):
-            from drafttrain.models.eagle import load_drafter
-
-            return EagleProposer(load_drafter(folder, target), **options)
-        if method in ("medusa1", "medusa2"):
-            return _load_medusa(folder, method, target, **options)
-        if method is not None:
-            raise ValueError(f"{folder}: drafter method {method!r} has no proposer yet "
-                             f"(known: {', '.join(DRAFTER_METHODS)})")
+    method = folder_method(folder)
+    if method is not None:  # a drafttrain drafter folder: its method knows how to load it
+        return get_method(method).load_proposer(folder, target, tokenizer=tokenizer, **options)
     return _load_draft_lm(spec, target, tokenizer, **options)
 
 
 def _load_composite(name: str, arg: str, target: nn.Module, tokenizer, *, cost_model=None,
                     max_gamma: int = 8, **options) -> Proposer:
     """adaptive:<spec>, hybrid:<a>+<b>, adaptive:hybrid:<a>+<b> / adaptive-hybrid:<a>+<b>."""
-    from drafttrain.decode.adaptive import AdaptiveProposer
-    from drafttrain.decode.proposers.hybrid import HybridProposer
-
     if name == "adaptive" and arg.startswith("hybrid:"):
         name, arg = "adaptive-hybrid", arg[len("hybrid:"):]
     if not arg:
@@ -165,38 +136,13 @@ def _cost_model(cost_model, target: nn.Module, parts: list[Proposer]):
     return cost_model
 
 
-def _load_medusa(folder: Path, method: str, target: nn.Module, **options) -> Proposer:
-    """Medusa heads from a folder, with the folder's learned tree as the default tree.
-
-    A Medusa-2 folder's heads only fit the target with its adapter: `target` must come from
-    `drafttrain.models.medusa.load_medusa_target(folder, target)` or be the saved
-    `<folder>/merged_target`; anything else is refused (the check is the adapter id).
-    """
-    from drafttrain.models.medusa import adapter_id, load_medusa
-
-    meta = json.loads((folder / "config.json").read_text())
-    if method == "medusa2" and adapter_id(target) != meta.get("adapter_id"):
-        raise ValueError(f"{folder} is a Medusa-2 drafter: decode with its adapted target "
-                         f"(target={folder}/merged_target, or drafttrain.models.medusa.load_medusa_target)")
-    heads = load_medusa(folder, target)
-    layers = meta["target"]["num_hidden_layers"]
-    return MedusaProposer(heads, layers, tree=options.pop("tree", None) or meta.get("tree_choices"), **options)
-
-
 def _wrap_module(module: nn.Module, target: nn.Module, **options) -> Proposer:
-    from drafttrain.models.eagle import EagleDrafter
-    from drafttrain.models.medusa import MedusaHeads
-
-    if isinstance(module, EagleDrafter):
-        return EagleProposer(module, **options)
-    if isinstance(module, MedusaHeads):
-        tc = getattr(target.config, "text_config", None) or target.config
-        return MedusaProposer(module, tc.num_hidden_layers, **options)
-    from drafttrain.models.draft_lm import DraftLM
-
-    if isinstance(module, DraftLM):  # the trainer's wrapper around an HF causal LM
-        module = module.model
-    _check_vocab(module, target)
+    """A live drafter module: the first method that claims it wraps it; else an HF causal LM."""
+    for name in method_names():
+        proposer = get_method(name).proposer_for_module(module, target, **options)
+        if proposer is not None:
+            return proposer
+    check_draft_vocab(module, target)
     return DraftLMProposer(module, **options)
 
 
@@ -211,12 +157,5 @@ def _load_draft_lm(spec: str, target: nn.Module, tokenizer, **options) -> Propos
     model.to(next(target.parameters()).device).eval()
     if tokenizer is not None and model.config.vocab_size < len(tokenizer):
         raise ValueError(f"draft LM {spec!r} has vocab {model.config.vocab_size} < tokenizer size {len(tokenizer)}")
-    _check_vocab(model, target)
+    check_draft_vocab(model, target)
     return DraftLMProposer(model, **options)
-
-
-def _check_vocab(model: nn.Module, target: nn.Module) -> None:
-    dv = model.get_output_embeddings().weight.shape[0]
-    tv = target.get_output_embeddings().weight.shape[0]
-    if dv != tv:
-        raise ValueError(f"draft LM vocabulary ({dv}) differs from the target's ({tv}): they must share a tokenizer")

@@ -10,7 +10,7 @@ call:
         proposer.observe(state, tree, result, hidden)   # learn what was accepted
         proposer.select_rows(idx)          # when rows finished: keep the active ones (optional)
 
-`observe(..., own=mask)`: wrappers (adaptive.py, hybrid.py) also call `observe` for steps whose
+`observe(..., own=mask)`: wrappers (scheduler.py, hybrid.py) also call `observe` for steps whose
 verified tree was not this proposer's last proposal, for some rows or all (`own` [B] bool: rows
 whose verified tree came from this proposer's last `propose` in this step; None = all). A
 proposer must then use only the accepted path and `hidden` of the verified tree for the other
@@ -52,7 +52,7 @@ if TYPE_CHECKING:
     from drafttrain.decode.engine import DecodeState
     from drafttrain.decode.verify import VerifyResult
 
-__all__ = ["Proposer", "NodeDrafter", "accepted_paths"]
+__all__ = ["Proposer", "NodeDrafter", "accepted_paths", "proposer_key"]
 
 
 class Proposer:
@@ -84,6 +84,14 @@ class Proposer:
         batch; called between steps, after `observe`). Returns False, changing nothing, if the
         proposer cannot: the engine then keeps every row in the batch (the default)."""
         return False
+
+
+def proposer_key(proposer: Proposer) -> str:
+    """The name a proposer's draft cost is filed under (costmodel.py): its `name`, plus K for early exit."""
+    name = getattr(proposer, "name", None) or type(proposer).__name__
+    if name == "early-exit":
+        return f"early-exit:{proposer.num_layers}"
+    return name
 
 
 def accepted_paths(result: VerifyResult) -> list[list[int]]:

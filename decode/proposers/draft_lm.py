@@ -24,6 +24,7 @@ from torch import Tensor, nn
 
 from drafttrain.decode.kv import KVState, target_forward
 from drafttrain.decode.proposers.base import NodeDrafter
+from drafttrain.textconfig import text_config
 
 __all__ = ["DraftLMProposer"]
 
@@ -56,8 +57,7 @@ class DraftLMProposer(NodeDrafter):
             self._w = head.weight.detach()[self.vocab]  # [Vd, H]
             bias = getattr(head, "bias", None)
             self._b = bias.detach()[self.vocab] if bias is not None else None
-            tc = getattr(model.config, "text_config", None) or model.config
-            self._cap = getattr(tc, "final_logit_softcapping", None)
+            self._cap = getattr(text_config(model.config), "final_logit_softcapping", None)
 
     def _forward(self, ids: Tensor, positions: Tensor, parents: Tensor, valid: Tensor | None = None) -> Tensor:
         """The draft model's logits over its drafting vocabulary ([B, n, V] or [B, n, Vd])."""
@@ -117,3 +117,11 @@ class DraftLMProposer(NodeDrafter):
             keep[b, : len(s)] = torch.tensor(s, dtype=torch.long)
             self.read[b] += len(s)
         self.kv.commit(keep.to(state.root.device))
+
+
+def check_draft_vocab(model: nn.Module, target: nn.Module) -> None:
+    """Raise ValueError unless the draft LM's output vocabulary is the target's (a shared tokenizer)."""
+    dv = model.get_output_embeddings().weight.shape[0]
+    tv = target.get_output_embeddings().weight.shape[0]
+    if dv != tv:
+        raise ValueError(f"draft LM vocabulary ({dv}) differs from the target's ({tv}): they must share a tokenizer")

@@ -1,36 +1,53 @@
 """Hybrid proposer: several proposers draft each step; each row verifies the most promising one.
 
-Per step the parts run cheapest first (by the cost model's draft-step time; n-gram is free). With
-a cost model, a part runs only if it can pay (the skip rule, `Scheduler._worth_running` in
-decode/adaptive.py): from its calibrated prior and the scores of the trees the cheaper parts
-already drafted, the rows it could win must repay its drafting ms (and any wider verification)
-in expected tokens per ms; a part kept out `explore_every` steps in a row runs once anyway. A
-skipped part still observes every step (own = no rows). Without a cost model every part runs.
-With `adaptive`, each part's length is also planned (0: not run). Each part's tree gets, per
-row, an expected accepted length from its calibrated node confidences (n-gram: match length;
-EAGLE / draft LM / early exit / Medusa: draft probability), and each row takes the best part's
-tree. The merged,
-padded tree keeps each row's node ids identical to its source tree (padding only appended), so a
-part's bookkeeping of its own drafts stays valid; after verification every part observes, with
-`own` = the rows that verified its tree (the others catch up from the accepted tokens).
+The hybrid is the adaptive loop (proposers/scheduler.py) over several parts, plus the three
+decisions that only several parts need, all here:
+
+    order   parts run cheapest first (by the cost model's draft-step time; n-gram is free)
+    skip    with a cost model, a part runs only if it can pay (`_worth_running`): from its
+            calibrated prior and the scores of the trees the cheaper parts already drafted, the
+            rows it could win must repay its drafting ms (and any wider verification) in expected
+            tokens per ms; a part kept out `explore_every` steps in a row runs once anyway. A
+            skipped part still observes every step (own = no rows). Without a cost model every
+            part runs.
+    choose  each part's tree gets, per row, an expected accepted length from its calibrated node
+            confidences (n-gram: match length; EAGLE / draft LM / early exit / Medusa: draft
+            probability), and each row takes the best part's tree (`_scores`, `_pick`). The
+            merged, padded tree keeps each row's node ids identical to its source tree (padding
+            only appended, `_merge`), so a part's bookkeeping of its own drafts stays valid;
+            after verification every part observes, with `own` = the rows that verified its tree
+            (the others catch up from the accepted tokens).
+
+With `adaptive`, each part's length is also planned (0: not run) and the merged tree trimmed.
 
 The expected accepted length of a SAMPLED tree (T > 0 chains) uses only its first node's
 confidence and per-depth priors: its deeper confidences depend on drafts already drawn, and a
-choice that looked at them would bias the output (adaptive.py, non-anticipation). Sampled and
+choice that looked at them would bias the output (scheduler.py, non-anticipation). Sampled and
 deterministic rows share one batch through a one-hot q for the deterministic chains.
 
 "Adaptive hybrid" is this class with a cost model and adaptive=True (spec `adaptive:hybrid:a+b`):
 lengths are planned per part, parts that cannot pay are not run, the merged tree is trimmed.
 
 Deliberately not here: merging proposals of different parts into one tree (each row verifies
-one part's tree), the math (adaptive.py), the parts themselves.
+one part's tree), the loop and the math (scheduler.py, planning.py, calibrator.py), the parts.
 """
 
 from __future__ import annotations
 
-from drafttrain.decode.adaptive import AcceptanceCalibrator, Scheduler
-from drafttrain.decode.costmodel import CostModel
-from drafttrain.decode.proposers.base import Proposer
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from drafttrain.decode.calibrator import AcceptanceCalibrator
+from drafttrain.decode.planning import expected_tokens, path_products, tree_nodes
+from drafttrain.decode.proposers.base import Proposer, proposer_key
+from drafttrain.decode.proposers.scheduler import AdaptiveProposer, Drafts, Scheduler, part_names
+from drafttrain.decode.tree import DraftTree
+
+if TYPE_CHECKING:
+    from drafttrain.decode.costmodel import CostModel
+    from drafttrain.decode.engine import DecodeState
 
 __all__ = ["HybridProposer"]
 
@@ -49,7 +66,7 @@ class HybridProposer(Scheduler):
         max_gamma: longest chain an adaptive plan considers.
         adaptive: plan lengths, skip parts that cannot pay, trim (default: True iff a cost model
             is given).
-        free_extension: see adaptive.trim_tree.
+        free_extension: see planning.trim_tree.
         explore_every: with a cost model, a part the skip rule kept out this many steps in a row
             drafts once anyway, and so does a part whose plan was 0 that long; 0 turns the skip
             rule off (every part whose plan is > 0 drafts) and never overrides a plan.
@@ -67,6 +84,164 @@ class HybridProposer(Scheduler):
             raise ValueError(f"a hybrid needs at least two parts, got {len(parts)}")
         if adaptive is None:
             adaptive = cost_model is not None or any(getattr(p, "adaptive", False) for p in parts)
-        super().__init__(parts, cost_model=cost_model, calibrator=calibrator, adaptive=adaptive,
+        inner, cost_model, calibrator = _unwrap(parts, cost_model, calibrator)
+        super().__init__(inner, cost_model=cost_model, calibrator=calibrator, adaptive=adaptive,
                          max_gamma=max_gamma, gamma=gamma, free_extension=free_extension,
                          explore_every=explore_every, free_draft=free_draft, shadow=shadow)
+        self._skipped = [0] * len(inner)  # per part: steps skipped in a row by the skip rule
+
+    def reset(self) -> None:
+        """Forgets everything learned (calibrators, probe and skip counters): a cold start."""
+        super().reset()
+        self._skipped = [0] * len(self.parts)
+
+    # ---- order and skip rule ----------------------------------------------------------------------
+    def _skippable(self) -> bool:
+        """The skip rule needs a cost model (and several parts, which a hybrid has)."""
+        return len(self.parts) > 1 and self.cost_model is not None
+
+    def _order(self, state: DecodeState) -> list[int]:
+        """Part indices by modelled draft-step cost, cheapest first (ties: the given order); without
+        a cost model, the given order. Cheap parts first: their proposals inform the skip rule."""
+        if not self._skippable():
+            return list(range(len(self.parts)))
+        B = state.root.shape[0]
+        return sorted(range(len(self.parts)),
+                      key=lambda i: (self.cost_model.draft_time(proposer_key(self.parts[i]), B), i))
+
+    def _should_run(self, state: DecodeState, i: int, length: int, probe: int, drafts: Drafts) -> bool:
+        """A part with a plan runs when probed or when worth it; counts the steps it sat out."""
+        if length <= 0:
+            return False
+        run = probe > 0 or self._worth_running(state, i, length, drafts)
+        if self._skippable():
+            self._skipped[i] = 0 if run else self._skipped[i] + 1
+        return run
+
+    def _worth_running(self, state: DecodeState, i: int, length: int, drafts: Drafts) -> bool:
+        """Whether part i should draft this step, decided before it drafts (the skip rule).
+
+        Rows gain max(0, E_i - best) expected accepted tokens, where E_i is part i's calibrated
+        prior for its planned length (past steps only) and best the score of the best tree the
+        cheaper parts already drafted (free signals such as n-gram's match length). Part i runs
+        iff that gain raises the step's expected tokens per modelled ms, counting its drafting
+        ms and any wider verification. Exploration: a part skipped `explore_every` steps in a
+        row runs once (besides the calibrator's decay drifting its estimate back to the prior).
+        """
+        ran = [j for j, t in enumerate(drafts.trees) if t is not None]  # cheaper parts, drafted or skipped
+        if not self._skippable() or not ran or self._skipped[i] >= self.explore_every:
+            return True
+        B, active, spec = state.root.shape[0], state.active.cpu(), state.tree
+        best = self._scores(state, [drafts.trees[j] for j in ran], [drafts.p_nodes[j] for j in ran])
+        best = best.max(0).values.cpu()  # [B]
+        cal = self.calibrators[self.names[i]]
+        if spec is None:
+            prior, size = cal.batch_prior(length, B), 1 + length
+        else:
+            prior, size = cal.prior(spec.depth).expand(B, -1), tree_nodes(spec)
+        exp = expected_tokens(prior)[:, -1] - 1  # [B] expected accepted drafts
+        gain = float((exp - best).clamp(min=0)[active].sum())
+        tokens = float(active.sum()) + float(best[active].sum())
+        width = max(drafts.trees[j].size for j in ran)
+        sunk = sum(drafts.draft_ms)
+        t0 = sunk + self.cost_model.verify_time(B, width)
+        t1 = sunk + self._draft_ms(state, i, length) + self.cost_model.verify_time(B, max(width, size))
+        return (tokens + gain) / t1 > tokens / t0
+
+    # ---- choice -----------------------------------------------------------------------------------
+    def _choose(self, state: DecodeState, drafts: Drafts) -> tuple[Tensor, DraftTree, Tensor]:
+        """Per row, the best part's tree: (choice [B], the merged tree, its p_nodes [B, N])."""
+        choice = self._pick(state, self._scores(state, drafts.trees, drafts.p_nodes))
+        merged, p_merged = self._merge(drafts.trees, drafts.p_nodes, choice)
+        return choice, merged, p_merged
+
+    def _scores(self, state: DecodeState | None, trees: list[DraftTree], p_nodes: list[Tensor]) -> Tensor:
+        """[P, B] expected accepted length of each tree, from information known before its first
+        draft was drawn (sampled trees: first node's estimate, then per-depth priors). The k-th
+        tree is scored with the k-th part's calibrator."""
+        scores = []
+        for t, p, n in zip(trees, p_nodes, self.names):
+            if t.draft_probs is not None and t.size > 1:
+                depths = t.depths()
+                deep = self.calibrators[n].batch_prior(t.size, depths.shape[0])
+                deep = deep.to(p.device).gather(1, (depths - 1).clamp(min=0))
+                p = torch.where(depths <= 1, p, deep)
+            pi = torch.where(t.parents >= 0, path_products(p, t.parents), 0.0)
+            scores.append(pi[:, 1:].sum(1))
+        return torch.stack(scores)
+
+    def _pick(self, state: DecodeState, scores: Tensor) -> Tensor:
+        """[B] index of the part whose tree each row verifies (highest score; ties: first part)."""
+        return scores.argmax(0)
+
+    def _merge(self, trees: list[DraftTree], p_nodes: list[Tensor], choice: Tensor
+               ) -> tuple[DraftTree, Tensor]:
+        """Per row, the chosen part's tree with its node ids unchanged (padding appended)."""
+        B = choice.shape[0]
+        device = trees[0].tokens.device
+        N = max(int(t.size) for i, t in enumerate(trees) if bool((choice == i).any()))
+        tokens = torch.zeros(B, N, dtype=torch.long, device=device)
+        parents = torch.full((B, N), -2, dtype=torch.long, device=device)
+        conf = torch.zeros(B, N, device=device)
+        p_merged = torch.zeros(B, N, device=device)
+        sampled = [t.draft_probs is not None and bool((choice == i).any()) for i, t in enumerate(trees)]
+        probs = None
+        if any(sampled):
+            V = next(t.draft_probs.shape[-1] for t, s in zip(trees, sampled) if s)
+            probs = torch.zeros(B, N, V, device=device)
+        for i, (t, p) in enumerate(zip(trees, p_nodes)):
+            rows = choice == i
+            if not bool(rows.any()):
+                continue
+            n = min(t.size, N)
+            tokens[rows, :n] = t.tokens[rows, :n]
+            parents[rows, :n] = t.parents[rows, :n]
+            conf[rows, :n] = t.confidence[rows, :n] if t.confidence is not None else 1.0
+            p_merged[rows, :n] = p[rows, :n]
+            if probs is None:
+                continue
+            if t.draft_probs is not None:
+                probs[rows, : min(t.draft_probs.shape[1], N)] = t.draft_probs[rows, :N].float()
+            elif _is_chain(t):
+                probs[rows, :n] = _one_hot_probs(t, V)[rows, :n]
+            else:
+                raise ValueError("cannot verify a deterministic tree with siblings in the same batch "
+                                 "as sampled drafts; use one tree setting for every part")
+        return DraftTree(tokens, parents, probs, conf), p_merged
+
+
+def _unwrap(parts: list[Proposer], cost_model: CostModel | None,
+            calibrator: AcceptanceCalibrator | dict | None
+            ) -> tuple[list[Proposer], CostModel | None, AcceptanceCalibrator | dict | None]:
+    """The parts' plain proposers. An AdaptiveProposer part lends its cost model (when none is
+    given) and, when no calibrator is given, its calibrator; a hybrid part is refused."""
+    inner, own = [], {}
+    for p in parts:
+        if isinstance(p, AdaptiveProposer):
+            if cost_model is None:
+                cost_model = p.cost_model
+            own[id(p.parts[0])] = p.calibrators[p.names[0]]
+            p = p.parts[0]
+        elif isinstance(p, Scheduler):
+            raise ValueError("a hybrid part cannot itself be a hybrid")
+        inner.append(p)
+    if calibrator is None and own:
+        calibrator = {n: own[id(p)] for n, p in zip(part_names(inner), inner) if id(p) in own}
+    return inner, cost_model, calibrator
+
+
+def _is_chain(tree: DraftTree) -> bool:
+    par = tree.parents
+    col = torch.arange(par.shape[1], device=par.device)[None]
+    return bool(((par == col - 1) | (par == -2)).all())
+
+
+def _one_hot_probs(tree: DraftTree, vocab: int) -> Tensor:
+    """[B, N, V] q for a deterministic chain: a one-hot at each node's child (the verifier's
+    deterministic case, expressed as a distribution so it can share a batch with sampled rows)."""
+    B, N = tree.tokens.shape
+    q = torch.zeros(B, N, vocab, device=tree.tokens.device)
+    child = tree.parents[:, 1:] >= 0  # [B, N - 1]
+    b, i = child.nonzero(as_tuple=True)
+    q[b, tree.parents[b, i + 1], tree.tokens[b, i + 1]] = 1.0
+    return q

@@ -7,7 +7,7 @@ different occurrences are merged into a trie instead. Drafts are deterministic: 
 
 Confidence (for adaptive / hybrid scheduling): every draft node gets n / max_ngram, n = the
 length of the matched suffix (a 3-token match is more trustworthy than a 1-token one); the
-calibrator (adaptive.py) turns it, with the node's depth, into an acceptance estimate.
+calibrator (calibrator.py) turns it, with the node's depth, into an acceptance estimate.
 
 Deliberately not here: suffix automata / suffix trees over a corpus, frequency-weighted
 continuations. A row without a match gets an empty tree (the target still emits one token).

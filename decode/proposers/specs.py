@@ -28,16 +28,16 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from drafttrain.config import ConfigError
+from drafttrain.errors import first_line
+from drafttrain.methods.registry import BUILTIN, folder_method, get_method, method_names
 from drafttrain.targets import hub_unreachable
 
-__all__ = ["check_spec", "check_specs", "drafter_method", "COMPOSITE", "SIMPLE", "DRAFTER_METHODS", "FORMS"]
+__all__ = ["check_spec", "check_specs", "COMPOSITE", "SIMPLE", "FORMS"]
 
 #: simple spec prefix -> its form (the factories live in `load_proposer` / PROPOSERS).
 SIMPLE = {"ngram": "ngram[:N]", "early-exit": "early-exit:K", "corpus": "corpus:FILE"}
 #: composite spec prefixes: they nest other specs.
 COMPOSITE = ("adaptive", "hybrid", "adaptive-hybrid")
-#: config.json "method" values `load_proposer` builds a proposer for.
-DRAFTER_METHODS = ("eagle3", "eagle1", "medusa1", "medusa2")
 FORMS = (", ".join(SIMPLE.values()) + ", adaptive:<spec>, hybrid:<a>+<b>[+...], adaptive-hybrid:<a>+<b>, "
          "a drafter or draft-LM folder, a causal-LM folder or hub id")
 
@@ -72,14 +72,6 @@ def check_spec(spec, *, what: str = "proposer") -> None:
     problem = _problem(str(spec))
     if problem:
         raise ConfigError(f"cannot load {what} {str(spec)!r}: {problem}")
-
-
-def drafter_method(meta: dict) -> str | None:
-    """The drafter method a folder's config.json names ("method", or "drafter"."method"); None for
-    other configs (a transformers causal LM)."""
-    drafter = meta.get("drafter")
-    method = meta.get("method") or (drafter.get("method") if isinstance(drafter, dict) else None)
-    return method if isinstance(method, str) else None
 
 
 def _problem(spec: str) -> str | None:
@@ -145,30 +137,32 @@ def _folder_problem(folder: Path) -> str | None:
     if not folder.is_dir():
         hint = f" (a corpus of answers is corpus:{folder})" if folder.suffix in (".json", ".jsonl") else ""
         return f"{folder} is a file, not a drafter folder{hint}; accepted forms: {FORMS}"
-    if (folder / "drafttrain.json").is_file():  # a drafttrain draft LM: an HF folder plus metadata
-        return _weights_problem(folder, "draft-LM")
-    config = folder / "config.json"
-    if not config.is_file():
-        return f"folder {folder} has no config.json: not a drafter, draft-LM or causal-LM folder"
+    if (folder / "drafttrain.json").is_file() or (folder / "config.json").is_file():
+        meta = _read_meta(folder)
+        if isinstance(meta, str):
+            return meta
+        method = folder_method(folder)
+        if method is None:  # drafttrain.json without a method: a draft-LM folder of an older format
+            return weights_problem(folder, "draft-LM" if (folder / "drafttrain.json").is_file() else "causal-LM")
+        if method not in method_names() and method not in BUILTIN:
+            return (f"{folder}: drafter method {method!r} has no proposer yet "
+                    f"(known: {', '.join(method_names())})")
+        return get_method(method).check_folder(folder, meta) or None
+    return f"folder {folder} has no config.json: not a drafter, draft-LM or causal-LM folder"
+
+
+def _read_meta(folder: Path) -> dict | str:
+    """The folder's drafttrain.json (draft LM) or config.json as a dict, or why it cannot be read."""
+    path = folder / "drafttrain.json" if (folder / "drafttrain.json").is_file() else folder / "config.json"
     try:
-        meta = json.loads(config.read_text())
+        meta = json.loads(path.read_text())
     except (ValueError, OSError) as err:
-        return f"{config} cannot be read ({str(err).splitlines()[0]})"
-    if not isinstance(meta, dict):
-        return f"{config} is not a JSON object"
-    method = drafter_method(meta)
-    if method is None:
-        return _weights_problem(folder, "causal-LM")
-    if method not in DRAFTER_METHODS:
-        return f"{folder}: drafter method {method!r} has no proposer yet (known: {', '.join(DRAFTER_METHODS)})"
-    if "drafttrain" not in meta or not isinstance(meta.get("drafter"), dict):
-        return f"{config} was not written by drafttrain (no 'drafttrain' and 'drafter' blocks)"
-    if not (folder / "model.safetensors").is_file():
-        return f"{method} drafter folder {folder} has no model.safetensors"
-    return None
+        return f"{path} cannot be read ({first_line(err)})"
+    return meta if isinstance(meta, dict) else f"{path} is not a JSON object"
 
 
-def _weights_problem(folder: Path, kind: str) -> str | None:
+def weights_problem(folder: Path, kind: str) -> str | None:
+    """Why an HF causal-LM folder cannot load (no config.json, no weights), or None."""
     if not (folder / "config.json").is_file():
         return f"{kind} folder {folder} has no config.json"
     if not any((folder / w).is_file() for w in _HF_WEIGHTS):

@@ -40,7 +40,7 @@ def target(family: str = "llama", vocab_size: int = 257):
 def eagle_drafter(family: str = "llama") -> EagleDrafter:
     model = target(family)
     torch.manual_seed(0)
-    return EagleDrafter(config_from_target(model.config, "eagle3", draft_vocab_size=None)).attach_target(model).eval()
+    return EagleDrafter(config_from_target(model.config, draft_vocab_size=None)).attach_target(model).eval()
 
 
 @functools.cache
@@ -130,7 +130,7 @@ def test_greedy_trees_equal_target(tree):
     rows = prompts(3)
     ids, mask = left_pad(rows)
     cost = CostModel({(b, t): 10.0 + 0.1 * b * t for b in (1, 4) for t in (1, 8, 32)}, {"eagle": {1: 0.5, 64: 1.0}})
-    eagle = EagleProposer(EagleDrafter(config_from_target(model.config, "eagle3")).attach_target(model).eval())
+    eagle = EagleProposer(EagleDrafter(config_from_target(model.config)).attach_target(model).eval())
     for proposer in (AdaptiveProposer(NGramProposer(), cost), HybridProposer([NGramProposer(), eagle], cost_model=cost)):
         out = speculative_generate(model, proposer, ids, attention_mask=mask, max_new_tokens=20, eos_token_id=[],
                                    tree=tree)

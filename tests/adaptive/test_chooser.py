@@ -8,15 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from drafttrain.decode.adaptive import (
-    AcceptanceCalibrator,
-    _compact,
-    choose_length,
-    expected_tokens,
-    stopping_lengths,
-    trim_tree,
-)
-from drafttrain.decode.tree import DraftTree, chain_tree
+from drafttrain.decode.calibrator import AcceptanceCalibrator
+from drafttrain.decode.planning import choose_length, expected_tokens, stopping_lengths, trim_tree
+from drafttrain.decode.tree import DraftTree, chain_tree, compact_tree
 from drafttrain.decode.verify import verify_tree
 
 
@@ -100,7 +94,7 @@ def test_trim_of_deterministic_tree_keeps_the_best_nodes_closed_under_ancestors(
     keep = trim_tree(tree, p, batch=1, active=torch.tensor([True]), cost_model=LinearCost(2, 1, 0),
                      sunk_ms=3.0, rate=0.0)
     assert keep.tolist() == [[True, True, True, True]]  # 3.12 / 9 beats 2.62 / 8
-    small, ids = _compact(tree, torch.tensor([[True, True, False, True]]))
+    small, ids = compact_tree(tree, torch.tensor([[True, True, False, True]]))
     assert small.tokens.tolist() == [[7, 1, 3]] and small.parents.tolist() == [[-1, 0, 1]]
     assert ids.tolist() == [[0, 1, 3]]
 
@@ -187,7 +181,7 @@ def _first_token_after_trim(confidence: torch.Tensor, q: torch.Tensor, drafts: t
     # verify(B, t) = B t: tau_1 = rate * B / B = rate
     keep = trim_tree(tree, p, batch=ROWS, active=torch.ones(ROWS, dtype=torch.bool), cost_model=LinearCost(0, 1, 0),
                      sunk_ms=0.0, rate=0.5, free_extension=False)
-    small, _ = _compact(tree, keep)
+    small, _ = compact_tree(tree, keep)
     logits = torch.log(P_AB).expand(ROWS, small.size, -1)
     res = verify_tree(logits, small.tokens, small.parents, small.draft_probs, temperature=1.0, generator=g)
     return torch.where(res.num_accepted > 0, small.tokens[:, 1], res.next_token)

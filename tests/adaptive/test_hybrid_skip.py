@@ -26,7 +26,7 @@ N_NEW = 48
 def small_vocab_eagle() -> EagleDrafter:
     model = target("llama", 16)
     torch.manual_seed(0)
-    return EagleDrafter(config_from_target(model.config, "eagle3", draft_vocab_size=None)).attach_target(model).eval()
+    return EagleDrafter(config_from_target(model.config, draft_vocab_size=None)).attach_target(model).eval()
 
 
 def small_vocab_prompts() -> list[torch.Tensor]:

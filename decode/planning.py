@@ -1,0 +1,208 @@
+"""The planning math of adaptive speculation: expected tokens, the length that pays, the trim.
+
+    expected_tokens    E_L = 1 + sum_{k <= L} prod_{j <= k} p_j, per row, for every length L
+    length_rates       expected tokens per modelled ms of each common chain length
+    choose_length      the length that maximises it for the whole batch (`best_length`)
+    path_products      pi of each tree node: the product of the estimates along its path
+    stopping_lengths   the stopping rule for sampled chains (keep draft k iff pi_j >= tau_j, j <= k)
+    trim_tree          which drafted nodes to verify (sampled chains: the stopping rule;
+                       deterministic drafts: the node budget that pays best)
+    drafting_ms        modelled ms of drafting a chain or a tree; `tree_nodes` / `tree_top_k`
+
+Costs are read from a CostModel (or anything with `verify_time(batch, tokens)` and
+`draft_time(name, batch)` in ms); estimates come from the calibrator (calibrator.py). Why the
+trim keeps the output exactly the target's: proposers/scheduler.py (non-anticipation).
+
+Deliberately not here: learning the estimates (calibrator.py), measuring costs (costmodel.py),
+running proposers or keeping any state across steps (proposers/scheduler.py).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from drafttrain.decode.tree import DynamicTree, StaticTree
+
+if TYPE_CHECKING:
+    from drafttrain.decode.costmodel import CostModel
+    from drafttrain.decode.tree import DraftTree
+
+__all__ = ["expected_tokens", "length_rates", "best_length", "choose_length", "path_products",
+           "stopping_lengths", "trim_tree", "drafting_ms", "tree_nodes", "tree_top_k"]
+
+
+def expected_tokens(p_node: Tensor) -> Tensor:
+    """Expected emitted tokens (bonus included) of chains of length 0..L.
+
+    Args:
+        p_node: [B, L] P(draft k accepted | drafts < k accepted), k = 1..L.
+
+    Returns:
+        [B, L + 1]: E_L = 1 + sum_{k <= L} prod_{j <= k} p_j (E_0 = 1).
+    """
+    reach = torch.cumprod(p_node.double(), dim=1)  # [B, L] P(first k all accepted)
+    ones = torch.ones(p_node.shape[0], 1, dtype=torch.float64, device=p_node.device)
+    dtype = p_node.dtype if p_node.is_floating_point() else torch.float32
+    return torch.cat([ones, 1 + reach.cumsum(1)], 1).to(dtype)
+
+
+def length_rates(exp_tokens: Tensor, batch: int, cost_model: CostModel, draft_name: str | None,
+                 active: Tensor, draft_batch: int | None = None) -> list[float]:
+    """Expected tokens per ms of every common length m = 0..L (all active rows draft m).
+
+    Args:
+        exp_tokens: [B, L + 1] expected tokens per row per length (`expected_tokens`).
+        batch: rows in the target's forward.
+        cost_model: verify / draft times (ms).
+        draft_name: the proposer's cost key (None: drafting is free).
+        active: [B] bool rows still generating.
+        draft_batch: rows of a draft step, when not `batch`.
+    """
+    L = exp_tokens.shape[1] - 1
+    tokens = exp_tokens[active.to(exp_tokens.device)].sum(0).tolist()  # [L + 1] summed over active rows
+    d = cost_model.draft_time(draft_name, draft_batch or batch) if draft_name is not None and L else 0.0
+    return [tokens[m] / (cost_model.verify_time(batch, 1 + m) + m * d) for m in range(L + 1)]
+
+
+def best_length(rates: list[float]) -> int:
+    """The length with the highest rate; ties go to the shorter length."""
+    return max(range(len(rates)), key=lambda m: (rates[m], -m))
+
+
+def choose_length(exp_tokens: Tensor, batch: int, cost_model: CostModel, draft_name: str | None,
+                  active: Tensor) -> Tensor:
+    """Chain lengths that maximise expected emitted tokens per ms for the whole batch.
+
+    Honest about the engine: verification pads every row to the longest tree, so one forward of
+    `batch` rows x (1 + max L_b) tokens costs `verify_time(batch, 1 + max L_b)`; drafting runs the
+    rows in lockstep, so it costs `max L_b * draft_time(draft_name, batch)`. Hence every active row
+    gets the same length m*, the argmax over m of sum_b E_b(m) / (verify(1 + m) + m * draft);
+    ties go to the shorter length, and m* = 0 when no length pays for itself.
+
+    Args:
+        exp_tokens: [B, L + 1] expected tokens per row per length (`expected_tokens`).
+        batch: rows in the target's forward: the active rows (the engine drops finished rows
+            from the batch; with `compact=False`, or a proposer that cannot compact, finished
+            rows stay and count here).
+        cost_model: a CostModel (or anything with verify_time / draft_time in ms).
+        draft_name: the proposer's cost key (None: drafting is free).
+        active: [B] bool rows still generating (inactive rows get 0 and count for nothing).
+
+    Returns:
+        [B] long lengths.
+    """
+    best = best_length(length_rates(exp_tokens, batch, cost_model, draft_name, active))
+    return torch.where(active.to(exp_tokens.device), best, 0).long()
+
+
+def path_products(p_node: Tensor, parents: Tensor) -> Tensor:
+    """[B, N] cumulative estimate of each node along its path from the root (padding 0)."""
+    pi = torch.zeros_like(p_node)
+    pi[:, 0] = 1.0
+    for i in range(1, p_node.shape[1]):
+        par = parents[:, i]
+        pi[:, i] = torch.where(par >= 0, pi.gather(1, par.clamp(min=0)[:, None])[:, 0] * p_node[:, i], 0.0)
+    return pi
+
+
+def stopping_lengths(pi: Tensor, tau: Tensor, lengths: Tensor) -> Tensor:
+    """Per row, the number of leading chain drafts k with pi[:, k] >= tau[k] for every j <= k.
+
+    Args:
+        pi: [B, N] cumulative estimate per chain node (node k at column k).
+        tau: [N] thresholds (tau[0] unused).
+        lengths: [B] drafts each row has.
+
+    Returns:
+        [B] long kept lengths; `kept >= k` depends only on pi[:, :k + 1] (a stopping time).
+    """
+    N = pi.shape[1]
+    k = torch.arange(N, device=pi.device)
+    ok = (pi >= tau.to(pi.device)[None]) & (k[None] <= lengths[:, None])
+    ok[:, 0] = True
+    return ok.long().cumprod(1).sum(1) - 1
+
+
+def trim_tree(tree: DraftTree, p_node: Tensor, *, batch: int, active: Tensor, cost_model: CostModel,
+              sunk_ms: float, rate: float, free_extension: bool = True) -> Tensor:
+    """Which nodes to verify after drafting: keep mask [B, N] (root always, padding never).
+
+    Sampled chains (`tree.draft_probs` given): the stopping rule with tau_k = rate * (verify(1 + k)
+    - verify(k)) / active rows (a draft pays if its expected tokens beat its share of the extra
+    verification time at the planned rate), then, with `free_extension`, each row also verifies up
+    to the longest kept chain of the other rows (padding makes that free).
+    Deterministic drafts: the node budget n* that maximises sum_b (1 + top-n pi of row b) /
+    (sunk_ms + verify(1 + n)); each row keeps its n* best nodes (closed under ancestors).
+
+    Args:
+        tree: the drafted tree.
+        p_node: [B, N] calibrated P(accepted | parent accepted) per node.
+        batch: rows in the target's forward.
+        active: [B] bool.
+        cost_model: verify / draft times (ms).
+        sunk_ms: drafting time already spent this step.
+        rate: planned expected tokens per ms (from the plan; fixed before drafting).
+        free_extension: see above (sampled chains only).
+    """
+    N = tree.tokens.shape[1]
+    real = tree.parents != -2
+    real &= active[:, None] | (torch.arange(N, device=real.device) == 0)[None]
+    pi = torch.where(real, path_products(p_node, tree.parents), 0.0)
+    n_active = max(int(active.sum()), 1)
+    if tree.draft_probs is not None:
+        return _trim_sampled(pi, real, active, batch, n_active, cost_model, rate, free_extension)
+    return _trim_deterministic(pi, real, active, batch, n_active, cost_model, sunk_ms)
+
+
+def _trim_sampled(pi: Tensor, real: Tensor, active: Tensor, batch: int, n_active: int, cost_model: CostModel,
+                  rate: float, free_extension: bool) -> Tensor:
+    """Keep mask [B, N] of sampled chains: the stopping rule, then the free extension."""
+    B, N = pi.shape
+    verify = cost_model.verify_time
+    extra = [rate * (verify(batch, 1 + k) - verify(batch, k)) / n_active for k in range(1, N)]
+    tau = torch.tensor([0.0] + extra)
+    has = (real[:, 1:].long().sum(1)).clamp(max=N - 1)  # chain drafts per row
+    kept = torch.where(active, stopping_lengths(pi, tau, has), 0)
+    if free_extension and B > 1:
+        top2 = kept.topk(min(2, B)).values  # [2]
+        others = torch.where(kept == top2[0], top2[-1], top2[0])  # longest kept among the other rows
+        kept = torch.maximum(kept, torch.minimum(others, has))
+        kept = torch.where(active, kept, 0)
+    return (torch.arange(N, device=pi.device)[None] <= kept[:, None]) & real
+
+
+def _trim_deterministic(pi: Tensor, real: Tensor, active: Tensor, batch: int, n_active: int,
+                        cost_model: CostModel, sunk_ms: float) -> Tensor:
+    """Keep mask [B, N] of deterministic drafts: each row's n* best nodes, one n* for the batch."""
+    B, N = pi.shape
+    drafts = torch.where(real[:, 1:], pi[:, 1:], -1.0)  # [B, N - 1]; padding sorts last
+    order = drafts.sort(dim=1, descending=True, stable=True)
+    gain = order.values.clamp(min=0).double().cumsum(1)[active].sum(0).tolist()  # [N - 1]
+    tokens = [float(n_active)] + [n_active + g for g in gain]
+    best = max(range(N), key=lambda n: (tokens[n] / (sunk_ms + cost_model.verify_time(batch, 1 + n)), -n))
+    rank = torch.empty_like(order.indices)
+    rank.scatter_(1, order.indices, torch.arange(N - 1, device=rank.device).expand(B, -1))
+    keep = torch.cat([torch.ones(B, 1, dtype=torch.bool, device=pi.device), (rank < best) & real[:, 1:]], 1)
+    return keep
+
+
+# ---- drafting costs ---------------------------------------------------------------------------------
+def tree_nodes(spec: StaticTree | DynamicTree) -> int:
+    """Nodes of a drafted tree, root included."""
+    return 1 + (len(spec.choices) if isinstance(spec, StaticTree) else spec.budget)
+
+
+def tree_top_k(spec: StaticTree | DynamicTree) -> int:
+    """Rows per draft step of one batch row: the widest level (dynamic: top_k)."""
+    return spec.top_k if isinstance(spec, DynamicTree) else max(len(lv) for lv in spec.levels())
+
+
+def drafting_ms(cost_model: CostModel, name: str, batch: int, spec: StaticTree | DynamicTree | None,
+                length: int) -> float:
+    """Modelled ms to draft a chain of `length` (spec None) or the whole tree `spec`."""
+    if spec is None:
+        return length * cost_model.draft_time(name, batch)
+    return spec.depth * cost_model.draft_time(name, batch * tree_top_k(spec))
