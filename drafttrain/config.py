@@ -20,11 +20,10 @@ from typing import Any
 
 import yaml
 
+from drafttrain.errors import ConfigError as ConfigError
+from drafttrain.errors import first_line
+
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
-
-
-class ConfigError(ValueError):
-    """A bad key or value; the message is one line that names it and the fix."""
 
 
 def _fields(cls) -> dict[str, dataclasses.Field]:
@@ -147,7 +146,7 @@ def _build(cls, data: dict, prefix: str = ""):
             kwargs[name] = _build(tp, value, key + ".")
         else:
             kwargs[name] = _coerce(key, value, tp)
-            choices = fields[name].metadata.get("choices")
+            choices = _choices(fields[name])
             if choices and kwargs[name] not in choices:
                 raise ConfigError(
                     f"{key}={kwargs[name]!r} is not allowed; choose one of {', '.join(map(str, choices))}"
@@ -201,7 +200,7 @@ def load_recipe(name: str) -> dict:
     try:
         data = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as e:
-        raise ConfigError(f"recipe {path} is not valid YAML: {str(e).splitlines()[0]}") from e
+        raise ConfigError(f"recipe {path} is not valid YAML: {first_line(e)}") from e
     if not isinstance(data, dict):
         raise ConfigError(f"recipe {path} must be a mapping of keys to values")
     return data
@@ -264,8 +263,8 @@ def describe(cls, prefix: str = "") -> list[tuple[str, str, str]]:
         else:
             default = "(required)"
         helptext = f.metadata.get("help", "")
-        if f.metadata.get("choices"):
-            helptext += f" [{'|'.join(map(str, f.metadata['choices']))}]"
+        if _choices(f):
+            helptext += f" [{'|'.join(map(str, _choices(f)))}]"
         rows.append((prefix + name, repr(default) if isinstance(default, str) else str(default), helptext))
     return rows
 
@@ -280,11 +279,18 @@ def format_help(cls, title: str) -> str:
     return "\n".join(lines)
 
 
+def _choices(f) -> tuple:
+    """A field's allowed values (a callable is asked each time: e.g. the registered methods)."""
+    choices = f.metadata.get("choices")
+    return tuple(choices()) if callable(choices) else tuple(choices or ())
+
+
 def field_(default=dataclasses.MISSING, *, help: str = "", choices=None, default_factory=dataclasses.MISSING):
-    """A dataclass field with its help text (and allowed values)."""
+    """A dataclass field with its help text and allowed values (a sequence, or a callable that
+    returns them when a config is checked)."""
     meta = {"help": help}
     if choices:
-        meta["choices"] = tuple(choices)
+        meta["choices"] = choices if callable(choices) else tuple(choices)
     if default_factory is not dataclasses.MISSING:
         return dataclasses.field(default_factory=default_factory, metadata=meta)
     return dataclasses.field(default=default, metadata=meta)

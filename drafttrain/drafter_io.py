@@ -12,20 +12,18 @@ Weights are safetensors only; nothing here unpickles.
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
+
+from drafttrain.atomic import atomic_dir as atomic_dir
+from drafttrain.chat import tokenizer_hash
+from drafttrain.errors import DrafterMismatchError as DrafterMismatchError
+from drafttrain.textconfig import text_config
 
 FORMAT_VERSION = 1
 
 
-class DrafterMismatchError(ValueError):
-    """The drafter was trained for a different target; the message says what differs."""
-
-
 def target_signature(target) -> dict:
-    cfg = getattr(target.config, "text_config", None) or target.config
+    cfg = text_config(target.config)
     info = getattr(target, "drafttrain_info", None)
     return {
         "spec": getattr(info, "spec", "") or getattr(target.config, "_name_or_path", ""),
@@ -56,8 +54,6 @@ def check_target_match(meta: dict, target, folder: str | Path = "", tokenizer=No
     diffs = [f"{k} {want[k]} vs {have[k]}" for k in ("hidden_size", "vocab_size", "num_hidden_layers")
              if k in want and want[k] != have[k]]
     if tokenizer is not None and meta.get("tokenizer_hash"):
-        from drafttrain.data import tokenizer_hash
-
         if tokenizer_hash(tokenizer) != meta["tokenizer_hash"]:
             diffs.append("tokenizer hash differs")
     if diffs:
@@ -73,7 +69,7 @@ def load_module_folder(path: str | Path, build, target=None, *, map_location: st
     load the safetensors strictly, validate the vocab mapping, and attach and check `target`."""
     from safetensors.torch import load_file
 
-    from drafttrain.models.eagle import validate_vocab_mapping
+    from drafttrain.vocab import validate_vocab_mapping
 
     folder = Path(path)
     meta = read_drafter_config(folder)
@@ -92,69 +88,50 @@ def load_module_folder(path: str | Path, build, target=None, *, map_location: st
     return module
 
 
-def atomic_dir(final: str | Path):
-    """Context manager: yields a temp folder beside `final`; on success it replaces `final`."""
+def save_module_weights(module, folder: str | Path, dtype=None) -> Path:
+    """The module's state dict (floats cast to `dtype` when given) as folder/model.safetensors."""
+    from safetensors.torch import save_file
 
-    class _Ctx:
-        def __enter__(self):
-            self.final = Path(final)
-            self.final.parent.mkdir(parents=True, exist_ok=True)
-            self.tmp = Path(tempfile.mkdtemp(prefix=f".{self.final.name}.tmp-", dir=self.final.parent))
-            return self.tmp
+    sd = {k: v.detach().contiguous() for k, v in module.state_dict().items()}
+    if dtype is not None:
+        sd = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in sd.items()}
+    path = Path(folder) / "model.safetensors"
+    save_file(sd, str(path), metadata={"format": "pt"})
+    return path
 
-        def __exit__(self, exc_type, exc, tb):
-            if exc_type is not None:
-                shutil.rmtree(self.tmp, ignore_errors=True)
-                return False
-            old = None
-            if self.final.exists():
-                old = self.final.with_name(f".{self.final.name}.old-{os.getpid()}")
-                os.replace(self.final, old)
-            os.replace(self.tmp, self.final)
-            if old is not None:
-                shutil.rmtree(old, ignore_errors=True)
-            return False
 
-    return _Ctx()
+def drafter_meta(method: str, target, tokenizer, *, aux_layer_ids: list[int], draft_vocab_size: int,
+                 extra: dict, drafter_cfg: dict | None = None) -> dict:
+    """The metadata every drafter folder records: format, method, target signature, tokenizer hash."""
+    from drafttrain import __version__
+    from drafttrain.data import tokenizer_hash
+
+    meta = {"drafttrain": {"version": __version__, "format": FORMAT_VERSION}, "method": method,
+            "target": target_signature(target), "tokenizer_hash": tokenizer_hash(tokenizer),
+            "aux_layer_ids": list(aux_layer_ids), "draft_vocab_size": draft_vocab_size}
+    if drafter_cfg is not None:
+        meta["drafter"] = drafter_cfg
+    return {**meta, **extra}
 
 
 def save_drafter_folder(folder: str | Path, *, drafter, target, tokenizer, method: str, extra: dict,
                         card: str, dtype=None, write_extra=None) -> Path:
-    """Write the drafter folder atomically (a reader never sees a half-written folder).
+    """Write a drafttrain-native drafter folder atomically (a reader never sees a half-written one).
 
-    `drafter` is any drafter module with a dataclass `cfg` (EAGLE drafter, Medusa heads; a draft
-    LM is written as a plain HF folder plus drafttrain.json, see drafttrain.models.draft_lm);
+    `drafter` is a drafter module with a dataclass `cfg` (EAGLE drafter, Medusa heads);
+    config.json holds `drafter_meta` with the `drafter` block, model.safetensors the state dict;
     `write_extra(tmp_folder)`, when given, adds files (Medusa-2's adapter) inside the same
-    atomic write.
+    atomic write. (A draft LM saves a plain HF folder instead: methods/draft_lm.py.)
     """
     from dataclasses import asdict
 
-    from drafttrain import __version__
-    from drafttrain.data import tokenizer_hash
-    from drafttrain.models.eagle import save_eagle_weights
-
-    if method == "draft_lm":  # a plain HF causal-LM folder; this metadata goes to drafttrain.json beside it
-        from drafttrain.models.draft_lm import save_draft_lm
-
-        meta = {"drafttrain": {"version": __version__, "format": FORMAT_VERSION}, "method": method,
-                "target": target_signature(target), "tokenizer_hash": tokenizer_hash(tokenizer),
-                "aux_layer_ids": [], "draft_vocab_size": drafter.cfg.draft_vocab_size, **extra}
-        return save_draft_lm(folder, drafter=drafter, tokenizer=tokenizer, meta=meta, card=card,
-                             write_extra=write_extra)
     with atomic_dir(folder) as tmp:
-        save_eagle_weights(drafter, tmp, dtype=dtype)  # the drafter's state dict, as safetensors
+        save_module_weights(drafter, tmp, dtype=dtype)
         if write_extra is not None:
             write_extra(tmp)
-        meta = {
-            "drafttrain": {"version": __version__, "format": FORMAT_VERSION},
-            "method": method,
-            "target": target_signature(target),
-            "tokenizer_hash": tokenizer_hash(tokenizer),
-            "aux_layer_ids": list(drafter.cfg.aux_layer_ids),
-            "draft_vocab_size": drafter.cfg.draft_vocab_size,
-            "drafter": json.loads(json.dumps(asdict(drafter.cfg))),
-            **extra,
-        }
+        meta = drafter_meta(method, target, tokenizer, aux_layer_ids=list(drafter.cfg.aux_layer_ids),
+                            draft_vocab_size=drafter.cfg.draft_vocab_size, extra=extra,
+                            drafter_cfg=json.loads(json.dumps(asdict(drafter.cfg))))
         (tmp / "config.json").write_text(json.dumps(meta, indent=2, default=str))
         (tmp / "README.md").write_text(card)
     return Path(folder)

@@ -29,10 +29,12 @@ from torch import Tensor
 
 @dataclass
 class FeatureSpec:
-    """Which target hidden states a method reads. aux_layer_ids index HF `hidden_states`."""
+    """Which target hidden states a drafter reads. aux_layer_ids index HF `hidden_states`;
+    `concat_aux` (EAGLE-3) concatenates those layers as the "aux" feature, otherwise "aux" is the
+    final post-norm state (EAGLE-1, Medusa, draft LMs)."""
 
-    method: str
     aux_layer_ids: list[int]
+    concat_aux: bool = False
 
     @property
     def aux_key(self) -> str:
@@ -57,7 +59,7 @@ def target_features(target, input_ids: Tensor, attention_mask: Tensor | None, sp
     out = _body(target)(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, use_cache=False)
     hs = out.hidden_states
     final = out.last_hidden_state
-    if spec.method != "eagle3":  # EAGLE-1 and Medusa read the final state only
+    if not spec.concat_aux:  # EAGLE-1 and Medusa read the final state only
         aux = final
     else:
         aux = torch.cat([hs[i] for i in spec.aux_layer_ids], dim=-1)
@@ -103,7 +105,7 @@ def teacher_in_vocab(target, final: Tensor, t2d: Tensor, block: int = 16384) -> 
 # ---- offline cache -------------------------------------------------------------------------------
 def estimate_bytes(num_tokens: int, hidden: int, spec: FeatureSpec) -> int:
     """bf16 bytes the cache will take for `num_tokens` tokens."""
-    width = hidden * (len(spec.aux_layer_ids) if spec.method == "eagle3" else 1) + hidden
+    width = hidden * (len(spec.aux_layer_ids) if spec.concat_aux else 1) + hidden
     return num_tokens * (width * 2 + 8 + 1)
 
 
@@ -144,7 +146,7 @@ def write_feature_cache(
     out.mkdir(parents=True, exist_ok=True)
     n = len(dataset)
     num_shards = max(1, math.ceil(n / shard_size))
-    info = {"num_records": n, "shard_size": shard_size, "num_shards": num_shards, "method": spec.method,
+    info = {"num_records": n, "shard_size": shard_size, "num_shards": num_shards, "concat_aux": spec.concat_aux,
             "aux_layer_ids": spec.aux_layer_ids, **(meta or {})}
     if rank == 0:
         _atomic_write_text(out / "cache.json", json.dumps(info, indent=2))

@@ -223,7 +223,7 @@ def medusa2_loss(heads, target, batch: dict[str, Tensor], *, joint: bool, step_w
     from drafttrain.features import FeatureSpec, target_features
 
     ids, attn = batch["input_ids"], batch["attention_mask"]
-    spec = FeatureSpec("medusa2", [])
+    spec = FeatureSpec([])
     with torch.no_grad(), target.disable_adapter():
         original = target_features(target, ids, attn, spec)["final"]  # [B, T, H]
     if not joint:

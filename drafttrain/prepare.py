@@ -9,16 +9,18 @@ from __future__ import annotations
 from pathlib import Path
 
 from drafttrain.schema import TrainConfig
+from drafttrain.textconfig import text_config
 
 
 def prepare(cfg: TrainConfig) -> Path:
     from accelerate import PartialState
 
     from drafttrain.data import build_datasets
-    from drafttrain.features import FeatureSpec, estimate_bytes, human_bytes, write_feature_cache
-    from drafttrain.models.eagle import default_aux_layer_ids
+    from drafttrain.distributed import cpu_processes, cpu_threads
+    from drafttrain.errors import TrainingError
+    from drafttrain.features import estimate_bytes, human_bytes, write_feature_cache
+    from drafttrain.methods.registry import get_method
     from drafttrain.targets import load_target, num_layers
-    from drafttrain.trainer import cpu_processes, cpu_threads
 
     state = PartialState(cpu=cpu_processes())
     cpu_threads(cfg.threads, state.device)
@@ -27,12 +29,13 @@ def prepare(cfg: TrainConfig) -> Path:
                                           trust_remote_code=cfg.trust_remote_code)
     with state.main_process_first():
         train_ds, _, report = build_datasets(cfg.data, tokenizer)
-    aux = cfg.drafter.aux_layer_ids or default_aux_layer_ids(num_layers(target), cfg.method)
-    if cfg.method in ("medusa1", "medusa2", "draft_lm"):  # they read the final hidden state only
-        aux = []
-    spec = FeatureSpec(cfg.method, list(aux))
+    method = get_method(cfg.method)
+    if not method.offline_features:
+        raise TrainingError(f"method={cfg.method} runs the target with gradients, so it needs features.mode=online "
+                            "(nothing to prepare)")
+    spec = method.feature_spec(cfg, None, num_layers(target))
     out = Path(cfg.features.cache_dir or Path(cfg.run_dir) / "features")
-    hidden = (getattr(target.config, "text_config", None) or target.config).hidden_size
+    hidden = text_config(target.config).hidden_size
     n_tokens = sum(len(r["input_ids"]) for r in train_ds)
     if state.is_main_process:
         print(report.summary())

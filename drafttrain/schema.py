@@ -10,8 +10,9 @@ from dataclasses import dataclass
 
 from drafttrain.config import field_
 from drafttrain.data import DataConfig
+from drafttrain.methods.registry import BUILTIN, DEFAULT_METHOD, method_names
 
-METHODS = ("eagle3", "eagle1", "medusa1", "medusa2", "draft_lm")
+METHODS = tuple(BUILTIN)  # the built-in methods; registered ones are accepted too (method_names)
 
 
 @dataclass
@@ -111,7 +112,7 @@ class WandbSettings:
 @dataclass
 class TrainConfig:
     recipe: str = field_("", help="recipe name (recipes/NAME.yaml) or path to a YAML file")
-    method: str = field_("eagle3", help="drafter family", choices=METHODS)
+    method: str = field_(DEFAULT_METHOD, help="drafter method (drafttrain.methods)", choices=method_names)
     target: str = field_("gemma-3-270m", help="target: packaged alias, HF hub id, local folder or .gguf file")
     target_revision: str = field_("", help="hub revision of the target")
     dtype: str = field_("auto", help="target dtype (auto = bf16 where the CPU/GPU runs it fast)", choices=("auto", "bfloat16", "float32", "float16"))

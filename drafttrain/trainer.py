@@ -1,26 +1,17 @@
-"""The training loop, top to bottom: setup, loop, eval, save.
+"""The training loop, top to bottom: setup, loop, eval, save. It knows no drafter method.
 
-The same function runs under plain `python` on a CPU and under `accelerate launch` on many GPUs:
-Accelerate prepares the drafter, optimizer and data in one place (`setup`), the target stays a
-frozen replica, and method differences live in `drafttrain.losses` (one function per method).
+    setup     accelerator, run folder, target, data, the method's drafter, loaders, optimizer,
+              schedule, resume, tracker (`setup` and the short functions it calls)
+    loop      per optimizer step: the method's loss, backward, clip, step; then log, evaluate,
+              decode-evaluate, stop or checkpoint (`run_loop`, `train_step`, `after_step`)
+    finish    final checkpoint, held-out eval, decoding eval, the drafter folder, the summary
 
-Checkpoints (`<run>/checkpoints/step-N`) hold Accelerate's state (drafter, optimizer, RNG) plus
-the scheduler and `trainer_state.json` (step, epoch, position in the epoch); each is written to
-a temp folder and renamed, so a killed run always leaves the last complete one. `train.resume`
-continues from it with the same data order.
-
-Several processes (recipes/accelerate/*.yaml): without CUDA they are joined by gloo
-(`_launch_kwargs`); stop decisions (signal, time limit) are agreed by all ranks before anyone
-saves (`agreed`); the target is loaded as a full replica even under ZeRO-3 (`full_replica`); the
-final drafter is gathered from FSDP / ZeRO-3 shards (`gathered_drafter`).
-
-Medusa heads (`medusa1`, `medusa2`) run through the same loop: `build_drafter` builds the heads,
-`wrap_target_for_method` puts Medusa-2's LoRA adapter on the target (the one place PEFT is
-applied), `loss_step` picks the loss, and the final save adds the static tree learned from
-held-out head accuracies (and Medusa-2's adapter).
-
-Draft LMs (`draft_lm`) too: `build_drafter` builds the student (drafttrain.distill), `loss_step`
-takes the divergence (with on-policy batches mixed in), and the drafter folder is a plain HF one.
+Everything that differs between drafter kinds (how the drafter is built from the target, which
+target features it reads, its loss and metrics, its optimizer groups, what its folder holds) is
+asked of its method object (`drafttrain.methods`, by `cfg.method`): this module never branches on
+a method's name. The same function runs under plain `python` on a CPU and under `accelerate
+launch` on many GPUs (distributed.py); checkpoints are atomic and `train.resume` continues from
+the last one with the same data order (checkpoints.py).
 
 What it does not do: subclass transformers' Trainer.
 """
@@ -28,101 +19,39 @@ What it does not do: subclass transformers' Trainer.
 from __future__ import annotations
 
 import json
-import math
 import os
-import shutil
-import signal
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import DataLoader
 
+from drafttrain.checkpoints import latest_checkpoint, save_checkpoint
 from drafttrain.config import dump_yaml, to_dict
+from drafttrain.distributed import (  # noqa: F401 (cpu_processes, cpu_threads: re-exported)
+    StopFlag,
+    agreed,
+    cpu_processes,
+    cpu_threads,
+    full_replica,
+    gathered_drafter,
+    launch_kwargs,
+)
+from drafttrain.errors import TrainingError
+from drafttrain.methods.registry import get_method
 from drafttrain.progress import keep_alive
+from drafttrain.schedule import EpochSampler, Records, lr_lambda
 from drafttrain.schema import TrainConfig
+from drafttrain.vocab import token_counts  # noqa: F401 (re-exported)
 
-
-class TrainingError(RuntimeError):
-    """A run that must stop (NaN loss, bad cache); the message names step, batch and what was kept."""
+__all__ = ["train", "TrainingError", "loss_step", "build_drafter", "param_groups", "wrap_target_for_method",
+           "evaluate", "decode_eval", "format_summary", "latest_checkpoint"]
 
 
 def log(accelerator, msg: str) -> None:
     if accelerator is None or accelerator.is_main_process:
         print(msg, flush=True)
-
-
-# ---- data order ----------------------------------------------------------------------------------
-class EpochSampler(Sampler[int]):
-    """A permutation of range(n) drawn from (seed, epoch): the same order on resume."""
-
-    def __init__(self, n: int, seed: int) -> None:
-        self.n, self.seed, self.epoch = n, seed, 0
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
-
-    def __iter__(self) -> Iterator[int]:
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
-        return iter(torch.randperm(self.n, generator=g).tolist())
-
-    def __len__(self) -> int:
-        return self.n
-
-
-class _Records(Dataset):
-    def __init__(self, ds) -> None:
-        self.ds = ds
-
-    def __len__(self) -> int:
-        return len(self.ds)
-
-    def __getitem__(self, i: int) -> dict:
-        return self.ds[int(i)]
-
-
-# ---- schedule ------------------------------------------------------------------------------------
-def lr_lambda(warmup: int, total: int, min_ratio: float):
-    def f(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / max(1, warmup)
-        progress = (step - warmup) / max(1, total - warmup)
-        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-
-    return f
-
-
-# ---- checkpoints ---------------------------------------------------------------------------------
-def latest_checkpoint(run_dir: Path) -> Path | None:
-    ck = run_dir / "checkpoints"
-    if not ck.is_dir():
-        return None
-    done = [p for p in ck.glob("step-*") if (p / "trainer_state.json").is_file()]
-    return max(done, key=lambda p: int(p.name.split("-")[1]), default=None)
-
-
-def save_checkpoint(accelerator, run_dir: Path, state: dict, scheduler, keep: int) -> Path:
-    ck = run_dir / "checkpoints"
-    final = ck / f"step-{state['step']:07d}"
-    tmp = ck / f".tmp-step-{state['step']:07d}"
-    if accelerator.is_main_process:
-        shutil.rmtree(tmp, ignore_errors=True)
-    accelerator.wait_for_everyone()
-    accelerator.save_state(str(tmp), safe_serialization=True)
-    accelerator.wait_for_everyone()  # every rank's RNG file / shard is in tmp before the rename
-    if accelerator.is_main_process:
-        torch.save(scheduler.state_dict(), tmp / "scheduler_lambda.pt")
-        (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2))
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)  # the rename is the commit point
-        for old in sorted((p for p in ck.glob("step-*")), key=lambda p: p.name)[:-keep] if keep > 0 else []:
-            shutil.rmtree(old, ignore_errors=True)
-    accelerator.wait_for_everyone()
-    return final
 
 
 # ---- metrics -------------------------------------------------------------------------------------
@@ -137,7 +66,7 @@ class StepMetrics:
     run_len_sum: int = 0
     run_len_n: int = 0
     tokens: int = 0
-    topk_correct: list[int] = field(default_factory=list)  # Medusa: per-head top-k hits
+    topk_correct: list[int] = field(default_factory=list)  # per-head top-k hits (Medusa)
     topk: int = 0
 
     def add(self, m: dict, tokens: int) -> None:
@@ -163,34 +92,14 @@ class StepMetrics:
         out = {f"{prefix}/loss": self.loss_sum / max(self.n, 1)}
         for k, (c, n) in enumerate(zip(self.correct, self.count)):
             out[f"{prefix}/acc_{k}"] = c / max(n, 1)
-        for k, (c, n) in enumerate(zip(self.topk_correct, self.count)):  # Medusa heads
+        for k, (c, n) in enumerate(zip(self.topk_correct, self.count)):  # per-head top-k
             out[f"{prefix}/head{k}_top1"] = self.correct[k] / max(n, 1)
             out[f"{prefix}/head{k}_top{self.topk}"] = c / max(n, 1)
         out[f"{prefix}/tau_sim"] = simulated_tau(self.run_len_sum, self.run_len_n)
         return out
 
 
-# ---- the run ------------------------------------------------------------------------------------
-def cpu_processes() -> bool:
-    """True when a launcher started several processes on a machine without CUDA.
-
-    Accelerate then needs `cpu=True` to join them with gloo; without it each process silently
-    trains alone (and all of them write the same run folder).
-    """
-    return not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1
-
-
-def _launch_kwargs() -> dict:
-    """Accelerator arguments for CPU processes: gloo under DeepSpeed (which refuses cpu=True), else cpu=True."""
-    if not cpu_processes():
-        return {}
-    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
-        from accelerate.utils import InitProcessGroupKwargs
-
-        return {"kwargs_handlers": [InitProcessGroupKwargs(backend="gloo")]}
-    return {"cpu": True}
-
-
+# ---- what the method decides -------------------------------------------------------------------------
 def _mixed_precision(cfg: TrainConfig, target_dtype: torch.dtype) -> str:
     mp = cfg.train.mixed_precision
     if mp == "auto":
@@ -198,47 +107,37 @@ def _mixed_precision(cfg: TrainConfig, target_dtype: torch.dtype) -> str:
     return mp
 
 
-MEDUSA = ("medusa1", "medusa2")
-
-
 def loss_step(cfg: TrainConfig, drafter, target, batch: dict, feats: dict, step: int | None = None):
-    """The one place where methods differ. `step` (None = evaluation) picks Medusa-2's stage."""
-    from drafttrain.losses import eagle1_loss, eagle3_loss, medusa2_loss, medusa_loss
-
-    d, m = cfg.drafter, cfg.medusa
-    if cfg.method == "draft_lm":  # a small causal LM distilled from the target (drafttrain.distill)
-        from drafttrain.distill import draft_lm_step
-
-        return draft_lm_step(cfg, drafter, target, batch, feats, step)
-    if cfg.method == "medusa1":
-        return medusa_loss(drafter, target, batch, feats["final"], step_weight=d.step_weight,
-                           self_distill=m.self_distill, topk=m.topk)
-    if cfg.method == "medusa2":
-        joint = step is None or step >= m.warmup_steps
-        return medusa2_loss(drafter, target, batch, joint=joint, step_weight=d.step_weight,
-                            self_distill=m.self_distill, heads_coefficient=m.heads_coefficient,
-                            kl_weight=m.kl_weight, topk=m.topk)
-    if cfg.method == "eagle3":
-        return eagle3_loss(drafter, target, batch, feats, steps=d.ttt_steps, step_weight=d.step_weight,
-                           mask_out_of_vocab=d.mask_out_of_vocab)
-    return eagle1_loss(drafter, target, batch, feats, feature_weight=d.feature_weight, ce_weight=d.ce_weight,
-                       noise=d.noise)
+    """(loss, metrics) of one batch from the method's loss; `step` None = evaluation."""
+    return get_method(cfg.method).loss(cfg, drafter, target, batch, feats, step)
 
 
-def batch_features(cfg: TrainConfig, target, batch: dict, spec) -> dict:
-    from drafttrain.features import target_features
+def build_drafter(cfg: TrainConfig, target, train_ds, accelerator):
+    """(drafter on the accelerator's device, draft-vocab coverage) built by the method."""
+    return get_method(cfg.method).build(cfg, target, train_ds, accelerator.device)
 
-    if cfg.method == "medusa2":  # the loss runs the (adapted) target itself, with grad
-        return {}
-    if "aux" in batch:  # offline cache
-        return {"aux": batch["aux"], "final": batch["final"].to(next(target.parameters()).dtype)}
-    return target_features(target, batch["input_ids"], batch["attention_mask"], spec)
+
+def wrap_target_for_method(cfg: TrainConfig, target, accelerator):
+    """The target as the method trains with it (checked first: e.g. Medusa-2's adapter)."""
+    method = get_method(cfg.method)
+    method.check_config(cfg, accelerator.num_processes)
+    return method.wrap_target(cfg, target)
+
+
+def param_groups(cfg: TrainConfig, drafter, target) -> list[dict]:
+    return get_method(cfg.method).param_groups(cfg, drafter, target)
+
+
+def adapter_params(target) -> list[torch.nn.Parameter]:
+    """The trainable parameters of the target (an adapter some methods put on it; else empty)."""
+    return [p for p in target.parameters() if p.requires_grad]
 
 
 @torch.no_grad()
 def evaluate(cfg: TrainConfig, drafter, target, loader, spec, accelerator) -> dict:
     from tqdm.auto import tqdm
 
+    method = get_method(cfg.method)
     raw = accelerator.unwrap_model(drafter)
     was_training = raw.training
     raw.eval()
@@ -246,7 +145,7 @@ def evaluate(cfg: TrainConfig, drafter, target, loader, spec, accelerator) -> di
     for batch in tqdm(loader, desc="held-out eval", unit="batch", leave=False, dynamic_ncols=True,
                       disable=not accelerator.is_main_process):
         batch = {k: v.to(accelerator.device) for k, v in batch.items()}
-        feats = batch_features(cfg, target, batch, spec)
+        feats = method.batch_features(cfg, target, batch, spec)
         with accelerator.autocast():
             _, met = loss_step(cfg, raw, target, batch, feats)
         m.add(met, int(batch["attention_mask"].sum()))
@@ -263,13 +162,10 @@ def decode_eval(cfg: TrainConfig, drafter, target, prompts: list[list[int]], acc
     raw = accelerator.unwrap_model(drafter)
     was_training = raw.training
     raw.eval()
-    gamma = cfg.train.decode_eval_gamma
-    if cfg.method in MEDUSA:  # a Medusa chain is at most one draft per head
-        gamma = min(gamma, cfg.medusa.num_heads)
     try:
         with torch.no_grad(), accelerator.autocast():
             res = run(target, raw, prompts, max_new_tokens=cfg.train.decode_eval_tokens, temperature=0.0,
-                      gamma=gamma)
+                      gamma=get_method(cfg.method).decode_gamma(cfg))
     finally:
         raw.train(was_training)
     acc = res.get("acceptance") or []
@@ -277,309 +173,55 @@ def decode_eval(cfg: TrainConfig, drafter, target, prompts: list[list[int]], acc
             **{f"eval/decode_accept_{k}": a for k, a in enumerate(acc)}}
 
 
-def token_counts(ds, vocab_size: int) -> torch.Tensor:
-    """[V] counts of loss-masked tokens (the tokens the drafter must predict)."""
-    counts = torch.zeros(vocab_size, dtype=torch.float64)
-    for r in ds:
-        ids = torch.tensor(r["input_ids"], dtype=torch.long)
-        mask = torch.tensor(r["loss_mask"], dtype=torch.bool)
-        counts += torch.bincount(ids[mask], minlength=vocab_size)[:vocab_size].double()
-    return counts
+# ---- setup -----------------------------------------------------------------------------------------
+@dataclass
+class Run:
+    """Everything the loop and the final save share (built by `setup`)."""
+
+    cfg: TrainConfig
+    method: object
+    accelerator: object
+    run_dir: Path
+    t_start: float
+    target: object = None
+    tokenizer: object = None
+    train_ds: object = None
+    held_ds: object = None
+    report: object = None
+    drafter: object = None
+    coverage: float = 1.0
+    spec: object = None
+    pad: int = 0
+    sampler: object = None
+    loader: object = None
+    held_loader: object = None
+    optimizer: object = None
+    scheduler: object = None
+    total_steps: int = 0
+    extra_params: list = field(default_factory=list)
+    state: dict = field(default_factory=dict)
+    resumed_from: int | None = None
+    tracker: object = None
+    decode_prompts: list = field(default_factory=list)
+    window: StepMetrics = field(default_factory=StepMetrics)  # train metrics since the last log line
 
 
-def build_drafter(cfg: TrainConfig, target, train_ds, accelerator):
-    from drafttrain.models.eagle import EagleDrafter, build_vocab_mapping, config_from_target
-
-    if cfg.method in MEDUSA:
-        return build_medusa(cfg, target, train_ds, accelerator)
-    if cfg.method == "draft_lm":
-        from drafttrain.distill import build_draft_lm
-
-        return build_draft_lm(cfg, target, accelerator)
-    tcfg = getattr(target.config, "text_config", None) or target.config
-    vd = cfg.drafter.draft_vocab_size or tcfg.vocab_size
-    ecfg = config_from_target(target.config, cfg.method, draft_vocab_size=vd,
-                              aux_layer_ids=cfg.drafter.aux_layer_ids or None)
-    bad = [i for i in ecfg.aux_layer_ids if not 0 <= i <= tcfg.num_hidden_layers]
-    if bad:
-        raise TrainingError(
-            f"drafter.aux_layer_ids {bad} out of range: the target has hidden_states 0..{tcfg.num_hidden_layers}"
-        )
-    drafter = EagleDrafter(ecfg)
-    coverage = 1.0
-    if cfg.method == "eagle3":
-        counts = token_counts(train_ds, tcfg.vocab_size)
-        d2t, t2d, coverage = build_vocab_mapping(counts, ecfg.draft_vocab_size)
-        drafter.set_vocab_mapping(d2t, t2d)
-    drafter.attach_target(target)
-    drafter.init_from_target(target)
-    dtype = getattr(torch, cfg.drafter.dtype)
-    drafter.to(device=accelerator.device, dtype=dtype)
-    return drafter, coverage
-
-
-def build_medusa(cfg: TrainConfig, target, train_ds, accelerator):
-    """Medusa heads for `target`; a reduced draft vocab (drafter.draft_vocab_size) as in EAGLE-3."""
-    from drafttrain.models.eagle import build_vocab_mapping
-    from drafttrain.models.medusa import MedusaHeads, config_from_target
-
-    tcfg = getattr(target.config, "text_config", None) or target.config
-    m = cfg.medusa
-    mcfg = config_from_target(target.config, cfg.method, num_heads=m.num_heads, num_layers=m.num_layers,
-                              draft_vocab_size=cfg.drafter.draft_vocab_size or tcfg.vocab_size,
-                              share_lm_head=m.share_lm_head)
-    heads = MedusaHeads(mcfg)
-    coverage = 1.0
-    if mcfg.draft_vocab_size < mcfg.vocab_size:
-        d2t, t2d, coverage = build_vocab_mapping(token_counts(train_ds, tcfg.vocab_size), mcfg.draft_vocab_size)
-        heads.set_vocab_mapping(d2t, t2d)
-    heads.attach_target(target)
-    heads.init_from_target(target)
-    heads.to(device=accelerator.device, dtype=getattr(torch, cfg.drafter.dtype))
-    return heads, coverage
-
-
-def wrap_target_for_method(cfg: TrainConfig, target, accelerator):
-    """Medusa-2 only: a LoRA adapter on the target (PEFT), the one place it is applied.
-
-    Base weights stay frozen; only the adapter's A/B matrices train. Other methods get the
-    target back unchanged.
-    """
-    if cfg.method != "medusa2":
-        return target
-    from peft import LoraConfig, get_peft_model
-
-    if cfg.features.mode == "offline":
-        raise TrainingError("method=medusa2 trains the target's adapter, so it needs features.mode=online")
-    if accelerator.num_processes > 1:
-        raise TrainingError("method=medusa2 runs on one process for now (the LoRA adapter is not synchronised "
-                            "across processes); launch without accelerate's multi-process mode")
-    m = cfg.medusa
-    lora = LoraConfig(r=m.lora_r, lora_alpha=m.lora_alpha, lora_dropout=0.0, target_modules=list(m.lora_target_modules))
-    return get_peft_model(target, lora)
-
-
-def adapter_params(target) -> list[torch.nn.Parameter]:
-    """The trainable parameters of the target (Medusa-2's LoRA adapter; empty otherwise)."""
-    return [p for p in target.parameters() if p.requires_grad]
-
-
-def param_groups(cfg: TrainConfig, drafter, target) -> list[dict]:
-    """Optimizer groups: the drafter at train.lr; Medusa-2's heads at lr * head_lr_mult plus the adapter at lr."""
-    params = [p for p in drafter.parameters() if p.requires_grad]
-    if cfg.method != "medusa2":
-        return [{"params": params}]
-    return [{"params": params, "lr": cfg.train.lr * cfg.medusa.head_lr_mult},
-            {"params": adapter_params(target), "lr": cfg.train.lr}]
-
-
-@torch.no_grad()
-def medusa_rank_accuracy(heads, target, records, pad: int, max_rank: int, batch_size: int = 4) -> list[list[float]]:
-    """[K][R]: how often head k's rank-r candidate equals the target's greedy token at that place.
-
-    Head k at position t is scored against the target's argmax at position t+k+1 (the token
-    x_{t+k+2} greedy decoding would emit after the data prefix), over assistant positions: the
-    per-depth acceptance a static tree sees (teacher-forced). Target = the adapted one for Medusa-2.
-    """
-    from drafttrain.data import collate
-    from drafttrain.decode.kernels.greedy import greedy_lm_head_argmax_ref
-    from drafttrain.features import FeatureSpec, target_features
-    from drafttrain.losses import _shift
-
-    K = heads.cfg.num_heads
-    hits = torch.zeros(K, max_rank, dtype=torch.float64)
-    counts = torch.zeros(K, dtype=torch.float64)
-    device = next(heads.parameters(), heads.d2t).device
-    for start in range(0, len(records), batch_size):
-        batch = collate([records[i] for i in range(start, min(len(records), start + batch_size))], pad)
-        batch = {k: v.to(device) for k, v in batch.items()}
-        final = target_features(target, batch["input_ids"], batch["attention_mask"], FeatureSpec("medusa1", []))["final"]
-        w = target.get_output_embeddings().weight
-        greedy = greedy_lm_head_argmax_ref(final.reshape(-1, final.shape[-1]).to(w.dtype), w).view(final.shape[:2])
-        logits = heads(final)  # [K, B, T, Vd]
-        attn, lmask = batch["attention_mask"].bool(), batch["loss_mask"].bool()
-        for k in range(K):
-            valid = attn & _shift(attn, k + 2, False) & _shift(lmask, k + 2, False)
-            top = logits[k].topk(min(max_rank, logits.shape[-1]), -1).indices  # [B, T, R] draft ids
-            top = top + heads.d2t[top]  # target ids
-            want = _shift(greedy, k + 1, -1)
-            hit = (top == want[..., None]) & valid[..., None]  # [B, T, R]
-            hits[k, : hit.shape[-1]] += hit.sum((0, 1)).double().cpu()
-            counts[k] += valid.sum().double().cpu()
-    return (hits / counts.clamp(min=1)[:, None]).tolist()
-
-
-def drafter_extras(cfg: TrainConfig, raw, target, train_ds, held_ds, tokenizer, pad: int) -> tuple[dict, object]:
-    """What a drafter folder adds beyond weights and config: (metadata fields, a writer of extra
-    files called inside the folder's atomic write, or None)."""
-    if cfg.method in MEDUSA:
-        return medusa_extras(cfg, raw, target, held_ds, tokenizer, pad)
-    if cfg.method == "draft_lm" and cfg.draft_lm.decode_vocab:
-        from drafttrain.models.draft_lm import decode_vocab, write_decode_vocab
-
-        ids, coverage = decode_vocab(token_counts(train_ds, raw.cfg.vocab_size), cfg.draft_lm.decode_vocab)
-        fields = {"decode_vocab_size": int(ids.numel()), "decode_vocab_coverage": round(coverage, 4)}
-        return fields, lambda folder: write_decode_vocab(folder, ids)
-    return {}, None
-
-
-def medusa_extras(cfg: TrainConfig, heads, target, held_ds, tokenizer, pad: int) -> tuple[dict, object]:
-    """What a Medusa drafter folder adds: (config.json fields, a writer for extra files).
-
-    Fields: `rank_accuracy` [K][R] on held-out data, `tree_choices` (the static tree learned
-    from it) and, for Medusa-2, `adapter_id`. The writer saves Medusa-2's adapter (PEFT,
-    safetensors) in `adapter/` and, with medusa.save_merged, the merged target in `merged_target/`.
-    """
-    import copy
-    import uuid
-
-    from drafttrain.models.medusa import learned_tree
-
-    m = cfg.medusa
-    n = min(len(held_ds), m.tree_records)
-    acc = medusa_rank_accuracy(heads, target, [held_ds[i] for i in range(n)], pad, m.tree_max_rank) if n else []
-    fields = {"rank_accuracy": acc, "tree_choices": learned_tree(acc, m.tree_budget) if acc else []}
-    if cfg.method != "medusa2":
-        return fields, None
-    fields["adapter_id"] = uuid.uuid4().hex
-
-    def write(folder: Path) -> None:
-        target.save_pretrained(str(folder / "adapter"), safe_serialization=True)
-        if m.save_merged:
-            merged = copy.deepcopy(target).merge_and_unload()
-            merged.config.drafttrain_adapter_id = fields["adapter_id"]
-            merged.save_pretrained(str(folder / "merged_target"), safe_serialization=True)
-            tokenizer.save_pretrained(str(folder / "merged_target"))
-
-    return fields, write
-
-
-def agreed(accelerator, *flags: bool) -> tuple[bool, ...]:
-    """Each flag OR-ed over processes, so all of them save and stop at the same step.
-
-    A signal or the time limit can reach one process a step before another; acting on the local
-    flag would leave the others waiting forever in the checkpoint's collectives.
-    """
-    if accelerator.num_processes == 1:
-        return flags
-    t = torch.tensor([int(f) for f in flags], device=accelerator.device)
-    return tuple(bool(v) for v in accelerator.reduce(t, reduction="sum").tolist())
-
-
-class _StopFlag:
-    """SIGTERM / SIGINT: finish the current step, save a checkpoint, exit cleanly."""
-
-    def __init__(self) -> None:
-        self.stop = False
-        self._old = {}
-
-    def __enter__(self):
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            try:
-                self._old[sig] = signal.signal(sig, self._handle)
-            except ValueError:  # not the main thread
-                pass
-        return self
-
-    def _handle(self, signum, frame) -> None:
-        if self.stop:  # second signal: give up now
-            raise KeyboardInterrupt
-        self.stop = True
-        print(f"\ndrafttrain: got signal {signum}; saving a checkpoint and stopping (send again to abort)", flush=True)
-
-    def __exit__(self, *exc):
-        for sig, old in self._old.items():
-            signal.signal(sig, old)
-        return False
-
-
-@contextmanager
-def full_replica(accelerator) -> Iterator[None]:
-    """Load the frozen target unpartitioned under DeepSpeed ZeRO-3.
-
-    Accelerate registers its DeepSpeed config with transformers, and transformers then creates
-    every `from_pretrained` model partitioned under ZeRO-3. The target is not part of the DeepSpeed
-    engine, so nothing would gather its weights: it must be a plain replica.
-    """
-    plugin = accelerator.state.deepspeed_plugin if accelerator.distributed_type == "DEEPSPEED" else None
-    if plugin is None:
-        yield
-        return
-    from transformers.integrations import unset_hf_deepspeed_config
-
-    unset_hf_deepspeed_config()
-    try:
-        yield
-    finally:
-        plugin.set_deepspeed_weakref()
-
-
-def gathered_drafter(accelerator, drafter, target):
-    """The unwrapped drafter with full weights, for saving.
-
-    Under FSDP / ZeRO-3 the wrapped module only holds this process's shard, so the full state dict
-    is gathered (a collective: every process must call this) into a fresh copy. DDP, ZeRO-2 and a
-    single process return the unwrapped module itself.
-    """
-    raw = accelerator.unwrap_model(drafter)
-    if accelerator.distributed_type not in ("DEEPSPEED", "FSDP"):
-        return raw
-    full = accelerator.get_state_dict(drafter)  # complete on the main process
-    if not accelerator.is_main_process:
-        return raw
-    fresh = type(raw)(raw.cfg) if hasattr(raw, "cfg") else type(raw)(raw.config)  # ours / an HF draft LM
-    fresh.load_state_dict({k: v.to("cpu") for k, v in full.items()})
-    if hasattr(fresh, "attach_target"):
-        fresh.attach_target(target)
-    return fresh.to(device=accelerator.device)
-
-
-def cpu_threads(threads: int, device: torch.device) -> int:
-    """Sets torch's CPU threads; returns the number set (0 = left alone, e.g. on GPUs).
-
-    `accelerate launch` exports OMP_NUM_THREADS=1 unless told otherwise, which leaves all but one
-    core idle in a single-process CPU run. `threads=0` (auto) gives each process of such a launch
-    its share of the machine's cores instead; other runs (plain `python`, which already uses every
-    core, or GPUs) are left alone. An explicit `threads=N` wins everywhere.
-    """
-    launched = "ACCELERATE_DYNAMO_BACKEND" in os.environ and os.environ.get("OMP_NUM_THREADS") == "1"
-    if threads <= 0 and (torch.device(device).type != "cpu" or not launched):
-        return 0
-    if threads <= 0:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        local = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("ACCELERATE_NUM_PROCESSES") or 1)
-        threads = max(1, cores // max(local, 1))
-    torch.set_num_threads(threads)
-    return threads
-
-
-def train(cfg: TrainConfig) -> dict:
-    """Run one training job; returns the summary dict (also written to <run>/summary.json)."""
+def _accelerator(cfg: TrainConfig):
     from accelerate import Accelerator
-    from accelerate.utils import set_seed
 
-    from drafttrain.data import build_datasets, collate
-    from drafttrain.drafter_io import model_card, save_drafter_folder
-    from drafttrain.features import FeatureCache, FeatureSpec, collate_features
-    from drafttrain.targets import load_target, resolve_dtype
-    from drafttrain.tracking import make_tracker
+    from drafttrain.targets import resolve_dtype
 
-    t_start = time.time()
-    run_dir = Path(cfg.run_dir)
-    target_dtype = resolve_dtype(cfg.dtype)
-    accelerator = Accelerator(
-        gradient_accumulation_steps=cfg.train.grad_accum,
-        mixed_precision=_mixed_precision(cfg, target_dtype),
-        step_scheduler_with_optimizer=False,
-        **_launch_kwargs(),
-    )
+    accelerator = Accelerator(gradient_accumulation_steps=cfg.train.grad_accum,
+                              mixed_precision=_mixed_precision(cfg, resolve_dtype(cfg.dtype)),
+                              step_scheduler_with_optimizer=False, **launch_kwargs())
     if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" and accelerator.distributed_type != "FSDP":
         log(accelerator, f"drafttrain: warning: FSDP was requested but Accelerate runs {accelerator.distributed_type.value} "
             "here (it has no FSDP for CPU processes)")
-    set_seed(cfg.seed)
-    threads = cpu_threads(cfg.threads, accelerator.device)
-    if threads:
-        log(accelerator, f"drafttrain: {threads} CPU thread(s) per process")
+    return accelerator
+
+
+def _run_folder(cfg: TrainConfig, accelerator) -> Path:
+    run_dir = Path(cfg.run_dir)
     if accelerator.is_main_process:
         try:
             run_dir.mkdir(parents=True, exist_ok=True)
@@ -589,238 +231,344 @@ def train(cfg: TrainConfig) -> dict:
         if not os.access(run_dir, os.W_OK):
             raise TrainingError(f"output_dir {run_dir} is not writable; choose another output_dir=")
         dump_yaml(cfg, run_dir / "config.yaml")
+    return run_dir
 
-    # ---- setup: target, data, drafter --------------------------------------------------------
-    log(accelerator, f"drafttrain: loading target {cfg.target} ({cfg.dtype})")
-    with full_replica(accelerator):
-        target, tokenizer, info = load_target(cfg.target, dtype=cfg.dtype, device=accelerator.device,
-                                              revision=cfg.target_revision or None,
-                                              trust_remote_code=cfg.trust_remote_code)
-    with accelerator.main_process_first():
-        train_ds, held_ds, report = build_datasets(cfg.data, tokenizer)
-    log(accelerator, report.summary())
-    target = wrap_target_for_method(cfg, target, accelerator)
-    drafter, coverage = build_drafter(cfg, target, train_ds, accelerator)
-    if cfg.method == "draft_lm" and cfg.draft_lm.decode_vocab:
-        # decoding evals in training draft from the same head rows as the saved folder will
-        from drafttrain.models.draft_lm import decode_vocab
 
-        drafter.model.drafttrain_decode_vocab = decode_vocab(
-            token_counts(train_ds, drafter.cfg.vocab_size), cfg.draft_lm.decode_vocab)[0]
-    spec = FeatureSpec(cfg.method, drafter.cfg.aux_layer_ids)
-    n_params = sum(p.numel() for p in drafter.parameters() if p.requires_grad)
-    log(accelerator, f"drafttrain: {cfg.method} drafter, {n_params / 1e6:.1f}M trainable params, aux layers "
-        f"{drafter.cfg.aux_layer_ids}, draft vocab {drafter.cfg.draft_vocab_size} (covers {coverage:.1%} of "
+def _load_target_and_data(run: Run) -> None:
+    from drafttrain.data import build_datasets
+    from drafttrain.targets import load_target
+
+    cfg, acc = run.cfg, run.accelerator
+    log(acc, f"drafttrain: loading target {cfg.target} ({cfg.dtype})")
+    with full_replica(acc):
+        run.target, run.tokenizer, _ = load_target(cfg.target, dtype=cfg.dtype, device=acc.device,
+                                                   revision=cfg.target_revision or None,
+                                                   trust_remote_code=cfg.trust_remote_code)
+    with acc.main_process_first():
+        run.train_ds, run.held_ds, run.report = build_datasets(cfg.data, run.tokenizer)
+    log(acc, run.report.summary())
+    run.pad = run.tokenizer.pad_token_id if run.tokenizer.pad_token_id is not None else 0
+
+
+def _build_drafter(run: Run) -> None:
+    from drafttrain.targets import num_layers
+
+    cfg = run.cfg
+    run.target = wrap_target_for_method(cfg, run.target, run.accelerator)
+    run.drafter, run.coverage = build_drafter(cfg, run.target, run.train_ds, run.accelerator)
+    run.spec = run.method.feature_spec(cfg, run.drafter, num_layers(run.target))
+    d = run.drafter
+    n_params = sum(p.numel() for p in d.parameters() if p.requires_grad)
+    log(run.accelerator, f"drafttrain: {cfg.method} drafter, {n_params / 1e6:.1f}M trainable params, aux layers "
+        f"{d.cfg.aux_layer_ids}, draft vocab {d.cfg.draft_vocab_size} (covers {run.coverage:.1%} of "
         f"assistant tokens)")
 
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    if cfg.features.mode == "offline":
-        cache_dir = Path(cfg.features.cache_dir or run_dir / "features")
-        records = FeatureCache(cache_dir)
-        if len(records) != len(train_ds) or records.meta.get("aux_layer_ids") != spec.aux_layer_ids:
-            raise TrainingError(
-                f"feature cache {cache_dir} does not match this config ({len(records)} records, aux "
-                f"{records.meta.get('aux_layer_ids')} vs {len(train_ds)} records, aux {spec.aux_layer_ids}); "
-                f"rerun `drafttrain prepare` with the same settings"
-            )
-        collate_fn = lambda b: collate_features(b, pad)  # noqa: E731
-    else:
-        records = _Records(train_ds)
-        collate_fn = lambda b: collate(b, pad)  # noqa: E731
-    sampler = EpochSampler(len(records), cfg.seed)
-    loader = DataLoader(records, batch_size=cfg.train.batch_size, sampler=sampler, collate_fn=collate_fn,
+
+def _records(run: Run):
+    """(records, collate) of the training data: offline feature cache or tokenised records."""
+    from drafttrain.data import collate
+    from drafttrain.features import FeatureCache, collate_features
+
+    cfg, pad = run.cfg, run.pad
+    if cfg.features.mode != "offline":
+        return Records(run.train_ds), lambda b: collate(b, pad)
+    if not run.method.offline_features:
+        raise TrainingError(f"method={cfg.method} runs the target with gradients, so it needs features.mode=online")
+    cache_dir = Path(cfg.features.cache_dir or run.run_dir / "features")
+    records = FeatureCache(cache_dir)
+    if len(records) != len(run.train_ds) or records.meta.get("aux_layer_ids") != run.spec.aux_layer_ids:
+        raise TrainingError(
+            f"feature cache {cache_dir} does not match this config ({len(records)} records, aux "
+            f"{records.meta.get('aux_layer_ids')} vs {len(run.train_ds)} records, aux {run.spec.aux_layer_ids}); "
+            f"rerun `drafttrain prepare` with the same settings"
+        )
+    return records, lambda b: collate_features(b, pad)
+
+
+def _loaders_and_optimizer(run: Run) -> None:
+    from drafttrain.data import collate
+
+    cfg, acc, pad = run.cfg, run.accelerator, run.pad
+    records, collate_fn = _records(run)
+    run.sampler = EpochSampler(len(records), cfg.seed)
+    loader = DataLoader(records, batch_size=cfg.train.batch_size, sampler=run.sampler, collate_fn=collate_fn,
                         num_workers=cfg.train.num_workers)
-    held_loader = DataLoader(_Records(held_ds), batch_size=cfg.train.batch_size,
-                             collate_fn=lambda b: collate(b, pad)) if len(held_ds) else None
+    run.held_loader = DataLoader(Records(run.held_ds), batch_size=cfg.train.batch_size,
+                                 collate_fn=lambda b: collate(b, pad)) if len(run.held_ds) else None
+    optimizer = torch.optim.AdamW(param_groups(cfg, run.drafter, run.target), lr=cfg.train.lr,
+                                  betas=tuple(cfg.train.betas), weight_decay=cfg.train.weight_decay)
+    run.drafter, run.optimizer, run.loader = acc.prepare(run.drafter, optimizer, loader)
+    run.extra_params = adapter_params(run.target)  # an adapter on the target: clipped with the drafter
+    steps_per_epoch = max(1, len(run.loader) // cfg.train.grad_accum)
+    run.total_steps = cfg.train.max_steps or steps_per_epoch * cfg.train.epochs
+    run.scheduler = torch.optim.lr_scheduler.LambdaLR(
+        run.optimizer, lr_lambda(cfg.train.warmup_steps, run.total_steps, cfg.train.min_lr_ratio))
 
-    optimizer = torch.optim.AdamW(param_groups(cfg, drafter, target), lr=cfg.train.lr, betas=tuple(cfg.train.betas),
-                                  weight_decay=cfg.train.weight_decay)
-    drafter, optimizer, loader = accelerator.prepare(drafter, optimizer, loader)
-    extra_params = adapter_params(target)  # Medusa-2's adapter: clipped with the drafter
-    micro_per_epoch = len(loader)
-    steps_per_epoch = max(1, micro_per_epoch // cfg.train.grad_accum)
-    total_steps = cfg.train.max_steps or steps_per_epoch * cfg.train.epochs
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lr_lambda(cfg.train.warmup_steps, total_steps, cfg.train.min_lr_ratio))
 
-    state = {"step": 0, "epoch": 0, "micro_in_epoch": 0, "tokens": 0, "train_time_s": 0.0,
-             "best_tau_sim": None}
-    resumed_from = None
-    if cfg.train.resume:
-        ck = latest_checkpoint(run_dir)
-        if ck is None:
-            log(accelerator, f"drafttrain: train.resume=true but no checkpoint in {run_dir}/checkpoints; starting fresh")
-        else:
-            accelerator.load_state(str(ck))
-            scheduler.load_state_dict(torch.load(ck / "scheduler_lambda.pt", weights_only=True))
-            state = json.loads((ck / "trainer_state.json").read_text())
-            resumed_from = state["step"]
-            log(accelerator, f"drafttrain: resumed from {ck} (step {state['step']}, epoch {state['epoch']})")
+def _resume(run: Run) -> None:
+    run.state = {"step": 0, "epoch": 0, "micro_in_epoch": 0, "tokens": 0, "train_time_s": 0.0,
+                 "best_tau_sim": None}
+    if not run.cfg.train.resume:
+        return
+    ck = latest_checkpoint(run.run_dir)
+    if ck is None:
+        log(run.accelerator, f"drafttrain: train.resume=true but no checkpoint in {run.run_dir}/checkpoints; "
+            "starting fresh")
+        return
+    run.accelerator.load_state(str(ck))
+    run.scheduler.load_state_dict(torch.load(ck / "scheduler_lambda.pt", weights_only=True))
+    run.state = json.loads((ck / "trainer_state.json").read_text())
+    run.resumed_from = run.state["step"]
+    log(run.accelerator, f"drafttrain: resumed from {ck} (step {run.state['step']}, epoch {run.state['epoch']})")
 
-    tracker = make_tracker(cfg.tracking, is_main=accelerator.is_main_process, project=cfg.wandb.project,
-                           entity=cfg.wandb.entity, name=cfg.wandb.name or run_dir.name, mode=cfg.wandb.mode,
-                           config=to_dict(cfg), run_dir=str(run_dir))
 
-    decode_prompts: list[list[int]] = []
+def setup(cfg: TrainConfig) -> Run:
+    """Everything before the first step, in the order that fixes the RNG stream."""
+    from accelerate.utils import set_seed
+
+    from drafttrain.tracking import make_tracker
+
+    accelerator = _accelerator(cfg)
+    set_seed(cfg.seed)
+    threads = cpu_threads(cfg.threads, accelerator.device)
+    if threads:
+        log(accelerator, f"drafttrain: {threads} CPU thread(s) per process")
+    run = Run(cfg, get_method(cfg.method), accelerator, _run_folder(cfg, accelerator), time.time())
+    _load_target_and_data(run)
+    _build_drafter(run)
+    _loaders_and_optimizer(run)
+    _resume(run)
+    run.tracker = make_tracker(cfg.tracking, is_main=accelerator.is_main_process, project=cfg.wandb.project,
+                               entity=cfg.wandb.entity, name=cfg.wandb.name or run.run_dir.name, mode=cfg.wandb.mode,
+                               config=to_dict(cfg), run_dir=str(run.run_dir))
     if cfg.train.decode_eval_every or cfg.train.decode_eval_final:
         from drafttrain.data import heldout_prompts
 
-        decode_prompts = heldout_prompts(cfg.data, tokenizer, cfg.train.decode_eval_prompts)
+        run.decode_prompts = heldout_prompts(cfg.data, run.tokenizer, cfg.train.decode_eval_prompts)
+    return run
 
-    def save_best(dec: dict) -> None:
-        """Keep the drafter with the best decoding tau so far in <run>/best_drafter (atomic)."""
-        raw = accelerator.unwrap_model(drafter)
-        card = model_card({"method": cfg.method, "recipe": cfg.recipe, "target": {"spec": cfg.target},
-                           "aux_layer_ids": raw.cfg.aux_layer_ids, "draft_vocab_size": raw.cfg.draft_vocab_size,
-                           "vocab_coverage": coverage}, {"step": state["step"], **dec})
-        fields, write_extra = drafter_extras(cfg, raw, target, train_ds, held_ds, tokenizer, pad)
-        save_drafter_folder(run_dir / "best_drafter", drafter=raw, target=target, tokenizer=tokenizer,
-                            method=cfg.method, card=card, write_extra=write_extra,
-                            extra={"recipe": cfg.recipe, "vocab_coverage": coverage, "training": to_dict(cfg),
-                                   "metrics": {"step": state["step"], **dec}, **fields})
 
-    # ---- loop -----------------------------------------------------------------------------------
+# ---- loop ------------------------------------------------------------------------------------------
+def train_step(run: Run, batch: dict) -> tuple[dict, int]:
+    """One micro-batch: the method's loss, backward, clip and step (Accelerate accumulates)."""
+    acc, cfg, state = run.accelerator, run.cfg, run.state
+    feats = run.method.batch_features(cfg, run.target, batch, run.spec)
+    with acc.accumulate(run.drafter):
+        with acc.autocast():
+            loss, met = loss_step(cfg, run.drafter, run.target, batch, feats, step=state["step"])
+        if not torch.isfinite(loss):
+            kept = latest_checkpoint(run.run_dir)
+            raise TrainingError(
+                f"loss is {loss.item()} at step {state['step'] + 1} (epoch {state['epoch']}, batch "
+                f"{state['micro_in_epoch']}); stopped. Last good checkpoint: {kept or 'none'}")
+        acc.backward(loss)
+        if acc.sync_gradients and cfg.train.grad_clip > 0:
+            clip = [*run.drafter.parameters(), *run.extra_params] if run.extra_params else run.drafter.parameters()
+            acc.clip_grad_norm_(clip, cfg.train.grad_clip)
+        run.optimizer.step()
+        run.optimizer.zero_grad()
+    return met, int(batch["attention_mask"].sum())
+
+
+def _log_step(run: Run, bar, t_loop: float) -> None:
+    """Bar and tracker after an optimizer step (a logged window starts afresh)."""
+    cfg, state = run.cfg, run.state
+    state["train_time_s"] = time.time() - t_loop
+    s = run.window.summary("train")
+    bar.update(1)
+    bar.set_postfix(loss=f"{s['train/loss']:.3f}", acc0=f"{s.get('train/acc_0', 0):.2f}", tau=f"{s['train/tau_sim']:.2f}")
+    if state["step"] % cfg.train.log_every == 0 or state["step"] == run.total_steps:
+        s["train/lr"] = run.scheduler.get_last_lr()[0]
+        s["train/tokens_per_s"] = state["tokens"] / max(state["train_time_s"], 1e-9)
+        run.tracker.log(s, step=state["step"])
+        run.window = StepMetrics()
+
+
+def _periodic_evals(run: Run, bar) -> None:
+    """Held-out loss every train.eval_every steps; real decoding every train.decode_eval_every,
+    keeping the drafter of the best decoding tau in <run>/best_drafter."""
+    cfg, state, acc = run.cfg, run.state, run.accelerator
+    if cfg.train.eval_every and state["step"] % cfg.train.eval_every == 0 and run.held_loader:
+        ev = evaluate(cfg, run.drafter, run.target, run.held_loader, run.spec, acc)
+        run.tracker.log(ev, step=state["step"])
+        bar.write(f"step {state['step']}: " + ", ".join(f"{k}={v:.3f}" for k, v in ev.items()))
+    if not (cfg.train.decode_eval_every and state["step"] % cfg.train.decode_eval_every == 0
+            and run.decode_prompts and acc.is_main_process):
+        return
+    dec = decode_eval(cfg, run.drafter, run.target, run.decode_prompts, acc)
+    run.tracker.log(dec, step=state["step"])
+    bar.write(f"step {state['step']}: decoding tau {dec['eval/decode_tau']:.3f} "
+              f"(greedy chain of {cfg.train.decode_eval_gamma}, {len(run.decode_prompts)} held-out prompts)")
+    if state.get("best_decode_tau") is None or dec["eval/decode_tau"] > state["best_decode_tau"]:
+        state["best_decode_tau"] = dec["eval/decode_tau"]
+        state["best_decode_step"] = state["step"]
+        raw = run.accelerator.unwrap_model(run.drafter)
+        scores = {"step": state["step"], **dec}
+        _save_drafter(run, raw, run.run_dir / "best_drafter", _extras(run, raw), card_summary=scores, metrics=scores)
+
+
+def after_step(run: Run, stop: StopFlag, bar) -> str | None:
+    """Evals, stop decisions and checkpoints after an optimizer step: "stopped_at" (stop_after),
+    "out_of_time", "done", or None to go on. A signal saves and exits with code 130."""
+    cfg, state, acc = run.cfg, run.state, run.accelerator
+    _periodic_evals(run, bar)
+    if cfg.train.stop_after and state["step"] >= cfg.train.stop_after:
+        log(acc, f"drafttrain: train.stop_after={cfg.train.stop_after} reached; exiting without final save")
+        return "stopped_at"
+    out_of_time = cfg.train.max_minutes and state["train_time_s"] > 60 * cfg.train.max_minutes
+    stop_now, out_of_time = agreed(acc, stop.stop, bool(out_of_time))
+    if out_of_time:
+        log(acc, f"drafttrain: train.max_minutes={cfg.train.max_minutes} reached at step {state['step']}")
+    if cfg.train.save_every and state["step"] % cfg.train.save_every == 0 or stop_now:
+        save_checkpoint(acc, run.run_dir, state, run.scheduler, cfg.train.keep_checkpoints)
+    if stop_now:
+        log(acc, f"drafttrain: stopped by signal at step {state['step']}; resume with train.resume=true")
+        bar.close()
+        run.tracker.finish()
+        raise SystemExit(130)
+    if out_of_time:
+        return "out_of_time"
+    return "done" if state["step"] >= run.total_steps else None
+
+
+def _epoch(run: Run, stop: StopFlag, bar, t_loop: float) -> str | None:
+    """One pass over the rest of the current epoch; the first non-None `after_step` outcome."""
+    state, acc = run.state, run.accelerator
+    run.sampler.set_epoch(state["epoch"])
+    it = acc.skip_first_batches(run.loader, state["micro_in_epoch"]) if state["micro_in_epoch"] else run.loader
+    for batch in it:
+        state["micro_in_epoch"] += 1
+        try:
+            met, ntok = train_step(run, batch)
+        except TrainingError:
+            bar.close()  # so the error starts its own line, not the progress bar's
+            raise
+        run.window.add(met, ntok)
+        state["tokens"] += ntok * acc.num_processes
+        if not acc.sync_gradients:
+            continue
+        run.scheduler.step()
+        state["step"] += 1
+        _log_step(run, bar, t_loop)
+        outcome = after_step(run, stop, bar)
+        if outcome is not None:
+            return outcome
+    state["epoch"] += 1
+    state["micro_in_epoch"] = 0
+    return None
+
+
+def run_loop(run: Run) -> str:
+    """Optimizer steps until the step budget, the time limit or stop_after; returns the outcome."""
     from tqdm.auto import tqdm
 
-    bar = tqdm(total=total_steps, initial=state["step"], desc=f"train {cfg.method}", unit="step",
-               disable=not accelerator.is_main_process, dynamic_ncols=True)
-    window = StepMetrics()
-    last_eval: dict = {}
+    state = run.state
+    bar = tqdm(total=run.total_steps, initial=state["step"], desc=f"train {run.cfg.method}", unit="step",
+               disable=not run.accelerator.is_main_process, dynamic_ncols=True)
     t_loop = time.time() - state["train_time_s"]
-    stopped_early = False
-    drafter.train()
-    with _StopFlag() as stop, keep_alive(bar):  # the bar's clock moves during long steps too
-        while state["step"] < total_steps and not stopped_early:
-            sampler.set_epoch(state["epoch"])
-            it = accelerator.skip_first_batches(loader, state["micro_in_epoch"]) if state["micro_in_epoch"] else loader
-            for batch in it:
-                state["micro_in_epoch"] += 1
-                feats = batch_features(cfg, target, batch, spec)
-                with accelerator.accumulate(drafter):
-                    with accelerator.autocast():
-                        loss, met = loss_step(cfg, drafter, target, batch, feats, step=state["step"])
-                    if not torch.isfinite(loss):
-                        kept = latest_checkpoint(run_dir)
-                        bar.close()  # so the error starts its own line, not the progress bar's
-                        raise TrainingError(
-                            f"loss is {loss.item()} at step {state['step'] + 1} (epoch {state['epoch']}, batch "
-                            f"{state['micro_in_epoch']}); stopped. Last good checkpoint: {kept or 'none'}"
-                        )
-                    accelerator.backward(loss)
-                    if accelerator.sync_gradients and cfg.train.grad_clip > 0:
-                        clip = [*drafter.parameters(), *extra_params] if extra_params else drafter.parameters()
-                        accelerator.clip_grad_norm_(clip, cfg.train.grad_clip)
-                    optimizer.step()
-                    optimizer.zero_grad()
-                ntok = int(batch["attention_mask"].sum())
-                window.add(met, ntok)
-                state["tokens"] += ntok * accelerator.num_processes
-                if not accelerator.sync_gradients:
-                    continue
-                scheduler.step()
-                state["step"] += 1
-                state["train_time_s"] = time.time() - t_loop
-                s = window.summary("train")
-                bar.update(1)
-                bar.set_postfix(loss=f"{s['train/loss']:.3f}", acc0=f"{s.get('train/acc_0', 0):.2f}",
-                                tau=f"{s['train/tau_sim']:.2f}")
-                if state["step"] % cfg.train.log_every == 0 or state["step"] == total_steps:
-                    s["train/lr"] = scheduler.get_last_lr()[0]
-                    s["train/tokens_per_s"] = state["tokens"] / max(state["train_time_s"], 1e-9)
-                    tracker.log(s, step=state["step"])
-                    window = StepMetrics()
-                if cfg.train.eval_every and state["step"] % cfg.train.eval_every == 0 and held_loader:
-                    last_eval = evaluate(cfg, drafter, target, held_loader, spec, accelerator)
-                    tracker.log(last_eval, step=state["step"])
-                    bar.write(f"step {state['step']}: " + ", ".join(f"{k}={v:.3f}" for k, v in last_eval.items()))
-                if (cfg.train.decode_eval_every and state["step"] % cfg.train.decode_eval_every == 0
-                        and decode_prompts and accelerator.is_main_process):
-                    dec = decode_eval(cfg, drafter, target, decode_prompts, accelerator)
-                    tracker.log(dec, step=state["step"])
-                    bar.write(f"step {state['step']}: decoding tau {dec['eval/decode_tau']:.3f} "
-                              f"(greedy chain of {cfg.train.decode_eval_gamma}, {len(decode_prompts)} held-out prompts)")
-                    if state.get("best_decode_tau") is None or dec["eval/decode_tau"] > state["best_decode_tau"]:
-                        state["best_decode_tau"] = dec["eval/decode_tau"]
-                        state["best_decode_step"] = state["step"]
-                        save_best(dec)
-                if cfg.train.stop_after and state["step"] >= cfg.train.stop_after:
-                    log(accelerator, f"drafttrain: train.stop_after={cfg.train.stop_after} reached; exiting without final save")
-                    bar.close()
-                    return {"stopped_at": state["step"]}
-                out_of_time = cfg.train.max_minutes and state["train_time_s"] > 60 * cfg.train.max_minutes
-                stop_now, out_of_time = agreed(accelerator, stop.stop, bool(out_of_time))
-                if out_of_time:
-                    log(accelerator, f"drafttrain: train.max_minutes={cfg.train.max_minutes} reached at step {state['step']}")
-                if cfg.train.save_every and state["step"] % cfg.train.save_every == 0 or stop_now:
-                    save_checkpoint(accelerator, run_dir, state, scheduler, cfg.train.keep_checkpoints)
-                if stop_now:
-                    log(accelerator, f"drafttrain: stopped by signal at step {state['step']}; resume with train.resume=true")
-                    bar.close()
-                    tracker.finish()
-                    raise SystemExit(130)
-                if state["step"] >= total_steps or out_of_time:
-                    stopped_early = bool(out_of_time)
-                    break
-            else:
-                state["epoch"] += 1
-                state["micro_in_epoch"] = 0
-                continue
-            if state["step"] >= total_steps:
+    run.drafter.train()
+    outcome = "done"
+    with StopFlag() as stop, keep_alive(bar):  # the bar's clock moves during long steps too
+        while state["step"] < run.total_steps:
+            outcome = _epoch(run, stop, bar, t_loop) or "done"
+            if outcome != "done" or state["step"] >= run.total_steps:
                 break
     bar.close()
+    return outcome
 
-    # ---- final eval + save ---------------------------------------------------------------------
-    log(accelerator, f"drafttrain: saving the final checkpoint (step {state['step']})")
-    save_checkpoint(accelerator, run_dir, state, scheduler, cfg.train.keep_checkpoints)
-    if held_loader:
-        log(accelerator, f"drafttrain: held-out evaluation ({len(held_ds)} records)")
-    final_eval = evaluate(cfg, drafter, target, held_loader, spec, accelerator) if held_loader else {}
-    if cfg.train.decode_eval_final and decode_prompts and accelerator.is_main_process:
-        log(accelerator, f"drafttrain: decoding {len(decode_prompts)} held-out prompts with the drafter (real tau)")
-        final_eval.update(decode_eval(cfg, drafter, target, decode_prompts, accelerator))
-    tracker.log(final_eval, step=state["step"])
-    raw = gathered_drafter(accelerator, drafter, target)
+
+# ---- finish ----------------------------------------------------------------------------------------
+def _save_drafter(run: Run, raw, folder: Path, extras: tuple[dict, object], *, card_summary: dict,
+                  metrics: dict, data_summary: str | None = None, data: dict | None = None) -> None:
+    """Write a drafter folder through the method: weights, config (with the method's `extras`
+    fields), model card, and the extras' files inside the same atomic write."""
+    from drafttrain.drafter_io import model_card
+
+    cfg = run.cfg
+    fields, write_extra = extras
+    meta = {"method": cfg.method, "recipe": cfg.recipe, "target": {"spec": cfg.target},
+            "aux_layer_ids": raw.cfg.aux_layer_ids, "draft_vocab_size": raw.cfg.draft_vocab_size,
+            "vocab_coverage": run.coverage}
+    if data_summary is not None:
+        meta["data_summary"] = data_summary
+    extra = {"recipe": cfg.recipe, "vocab_coverage": run.coverage, "training": to_dict(cfg), "metrics": metrics}
+    if data is not None:
+        extra["data"] = data
+    run.method.save(folder, drafter=raw, target=run.target, tokenizer=run.tokenizer,
+                    card=model_card(meta, card_summary), write_extra=write_extra, extra={**extra, **fields})
+
+
+def _extras(run: Run, raw) -> tuple[dict, object]:
+    return run.method.extras(run.cfg, raw, run.target, run.train_ds, run.held_ds, run.tokenizer, run.pad)
+
+
+def _final_eval(run: Run) -> dict:
+    cfg, acc = run.cfg, run.accelerator
+    if run.held_loader:
+        log(acc, f"drafttrain: held-out evaluation ({len(run.held_ds)} records)")
+    final = evaluate(cfg, run.drafter, run.target, run.held_loader, run.spec, acc) if run.held_loader else {}
+    if cfg.train.decode_eval_final and run.decode_prompts and acc.is_main_process:
+        log(acc, f"drafttrain: decoding {len(run.decode_prompts)} held-out prompts with the drafter (real tau)")
+        final.update(decode_eval(cfg, run.drafter, run.target, run.decode_prompts, acc))
+    run.tracker.log(final, step=run.state["step"])
+    return final
+
+
+def _summary(run: Run, final_eval: dict) -> dict:
+    state, acc = run.state, run.accelerator
     summary = {
-        "drafter_dir": str(run_dir / "drafter"),
-        "method": cfg.method,
-        "target": cfg.target,
+        "drafter_dir": str(run.run_dir / "drafter"),
+        "method": run.cfg.method,
+        "target": run.cfg.target,
         "steps": state["step"],
         "train_tokens": state["tokens"],
         "train_time_s": round(state["train_time_s"], 1),
-        "wall_time_s": round(time.time() - t_start, 1),
+        "wall_time_s": round(time.time() - run.t_start, 1),
         "train_tokens_per_s": round(state["tokens"] / max(state["train_time_s"], 1e-9), 1),
-        "vocab_coverage": round(coverage, 4),
-        "num_processes": accelerator.num_processes,
-        "device": str(accelerator.device),
+        "vocab_coverage": round(run.coverage, 4),
+        "num_processes": acc.num_processes,
+        "device": str(acc.device),
         **{k: round(v, 4) for k, v in final_eval.items()},
     }
-    if resumed_from is not None:
-        summary["resumed_from_step"] = resumed_from
+    if run.resumed_from is not None:
+        summary["resumed_from_step"] = run.resumed_from
     if state.get("best_decode_tau") is not None:
         summary["best_decode_tau"] = round(state["best_decode_tau"], 4)
-        summary["best_drafter_dir"] = str(run_dir / "best_drafter")
+        summary["best_drafter_dir"] = str(run.run_dir / "best_drafter")
         summary["best_decode_step"] = state.get("best_decode_step")
-    if accelerator.is_main_process:
-        log(accelerator, f"drafttrain: writing the drafter folder {run_dir / 'drafter'}")
-        extra_fields, write_extra = drafter_extras(cfg, raw, target, train_ds, held_ds, tokenizer, pad)
-        if cfg.method in MEDUSA:
-            summary["tree_choices"] = extra_fields["tree_choices"]
-        meta = {"method": cfg.method, "recipe": cfg.recipe, "target": {"spec": cfg.target},
-                "aux_layer_ids": raw.cfg.aux_layer_ids, "draft_vocab_size": raw.cfg.draft_vocab_size,
-                "vocab_coverage": coverage, "data_summary": report.summary().splitlines()[0]}
-        card = model_card(meta, {k: v for k, v in summary.items() if k.startswith("eval/") or k in (
-            "steps", "train_tokens", "train_time_s", "train_tokens_per_s")})
-        save_drafter_folder(run_dir / "drafter", drafter=raw, target=target, tokenizer=tokenizer, method=cfg.method,
-                            card=card, extra={"recipe": cfg.recipe, "vocab_coverage": coverage,
-                                              "training": to_dict(cfg), "metrics": summary,
-                                              "data": report.__dict__ if hasattr(report, "__dict__") else {},
-                                              **extra_fields},
-                            write_extra=write_extra)
-        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-        tracker.log_artifact(run_dir / "drafter", name=f"{run_dir.name}-drafter", metadata=summary)
-    tracker.finish()
-    accelerator.wait_for_everyone()
     return summary
+
+
+def finish(run: Run) -> dict:
+    """Final checkpoint, held-out and decoding evals, the drafter folder and the summary."""
+    cfg, acc, state = run.cfg, run.accelerator, run.state
+    log(acc, f"drafttrain: saving the final checkpoint (step {state['step']})")
+    save_checkpoint(acc, run.run_dir, state, run.scheduler, cfg.train.keep_checkpoints)
+    final_eval = _final_eval(run)
+    raw = gathered_drafter(acc, run.drafter, run.target)
+    summary = _summary(run, final_eval)
+    if acc.is_main_process:
+        log(acc, f"drafttrain: writing the drafter folder {run.run_dir / 'drafter'}")
+        extras = _extras(run, raw)
+        summary.update(run.method.summary_fields(extras[0]))
+        card = {k: v for k, v in summary.items() if k.startswith("eval/") or k in (
+            "steps", "train_tokens", "train_time_s", "train_tokens_per_s")}
+        _save_drafter(run, raw, run.run_dir / "drafter", extras, card_summary=card, metrics=summary,
+                      data_summary=run.report.summary().splitlines()[0],
+                      data=run.report.__dict__ if hasattr(run.report, "__dict__") else {})
+        (run.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        run.tracker.log_artifact(run.run_dir / "drafter", name=f"{run.run_dir.name}-drafter", metadata=summary)
+    run.tracker.finish()
+    acc.wait_for_everyone()
+    return summary
+
+
+def train(cfg: TrainConfig) -> dict:
+    """Run one training job; returns the summary dict (also written to <run>/summary.json)."""
+    run = setup(cfg)
+    if run_loop(run) == "stopped_at":
+        return {"stopped_at": run.state["step"]}
+    return finish(run)
 
 
 def format_summary(summary: dict) -> str:
@@ -830,7 +578,7 @@ def format_summary(summary: dict) -> str:
             lines.append(f"  {k:<12} {summary[k]}")
     accs = [(k, v) for k, v in summary.items() if k.startswith("eval/acc_")]
     if accs:
-        per = "per head" if str(summary.get("method", "")).startswith("medusa") else "per unroll step"
+        per = get_method(summary["method"]).acc_label if "method" in summary else "per unroll step"
         lines.append("  held-out acc " + " ".join(f"{v:.3f}" for _, v in accs) + f"  ({per})")
     if "eval/tau_sim" in summary:
         lines.append(f"  held-out simulated tau {summary['eval/tau_sim']:.3f}  (teacher-forced greedy chain, bonus included)")

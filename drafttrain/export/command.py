@@ -58,6 +58,7 @@ def _parser() -> argparse.ArgumentParser:
 def export_drafter(drafter: str | Path, fmt: str, out: str | Path, *, results: str | Path | None = None,
                    verifier: str | None = None, repo_id: str | None = None, speculative_tokens: int = 3) -> dict:
     """Export `drafter` to `out` in `fmt`, load it back and check it; returns a summary dict."""
+    # Imported here, not at the top: they load torch and transformers, which `--help` does not need.
     from drafttrain.export.card import find_results, read_results, render_card
     from drafttrain.export.formats import plan_export, read_source, verify_export, write_export
 
@@ -71,13 +72,8 @@ def export_drafter(drafter: str | Path, fmt: str, out: str | Path, *, results: s
         raise ExportError(f"{src}: {e}") from e
     res_path = find_results(src, results)
     res = read_results(res_path) if res_path else None
-    engine_aux = None
-    if fmt == "vllm" and plan.method == "eagle3":
-        engine_aux = ("vLLM", plan.config["eagle_aux_hidden_state_layer_ids"])
-    elif fmt == "sglang":
-        engine_aux = ("SGLang", plan.config["eagle_config"]["eagle_aux_hidden_state_layer_ids"])
     card = render_card(meta, fmt=fmt, model_ref=repo_id or str(out), verifier=verifier, results=res,
-                       engine_aux=engine_aux)
+                       engine_aux=plan.engine_aux)
     write_export(plan, out, card)
     check = verify_export(out, plan, set(sd))
     return {"out": str(out), "format": fmt, "method": plan.method, "results": str(res_path) if res_path else None,

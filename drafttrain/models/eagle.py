@@ -25,24 +25,30 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-METHODS = ("eagle3", "eagle1")
+from drafttrain.vocab import DraftVocab, build_vocab_mapping, validate_vocab_mapping  # noqa: F401 (re-exported)
 
 
 @dataclass
 class EagleConfig:
-    """Shape and method of an EAGLE drafter. Saved as the `drafter` block of config.json."""
+    """Shape of an EAGLE drafter. Saved as the `drafter` block of config.json.
 
-    method: str = "eagle3"
+    `fused` picks the layout: True is EAGLE-3 (fc fuses the aux layers, the attention reads
+    [normed embedding, normed feature], own norm and draft-vocab LM head), False is EAGLE-1 (fc
+    over [embedding, feature], the target's LM head). Folders saved before the field existed
+    carry their method's label instead: the method passes `fused` to `from_dict`.
+    """
+
+    fused: bool = True
     hidden_size: int = 64
     vocab_size: int = 257  # the target's vocabulary
-    draft_vocab_size: int = 257  # eagle1: always == vocab_size
+    draft_vocab_size: int = 257  # not fused: always == vocab_size
     aux_layer_ids: list[int] = field(default_factory=list)  # indices into HF hidden_states
     num_attention_heads: int = 4
     num_key_value_heads: int = 2
@@ -54,22 +60,25 @@ class EagleConfig:
     max_position_embeddings: int = 4096
 
     def __post_init__(self) -> None:
-        if self.method not in METHODS:
-            raise ValueError(f"drafter method {self.method!r} is not one of {', '.join(METHODS)}")
-        if self.method == "eagle1" and self.draft_vocab_size != self.vocab_size:
+        if not self.fused and self.draft_vocab_size != self.vocab_size:
             raise ValueError("EAGLE-1 reads the target's LM head: draft_vocab_size must equal vocab_size")
+
+    @classmethod
+    def from_dict(cls, d: dict, **defaults) -> EagleConfig:
+        """From a saved `drafter` block: unknown keys (an older `method` label) are dropped and
+        missing ones taken from `defaults`."""
+        names = {f.name for f in fields(cls)}
+        return cls(**{**{k: v for k, v in defaults.items() if k in names}, **{k: v for k, v in d.items() if k in names}})
 
     @property
     def num_aux(self) -> int:
         return max(1, len(self.aux_layer_ids))
 
 
-def default_aux_layer_ids(num_layers: int, method: str = "eagle3") -> list[int]:
+def default_aux_layer_ids(num_layers: int) -> list[int]:
     """EAGLE-3's low / mid / high layers {2, N/2, N-3} in HF `hidden_states` numbering
-    (0 = embedding output, j = output of decoder layer j - 1); EAGLE-1 reads the final
-    post-norm hidden state, index N."""
-    if method == "eagle1":
-        return [num_layers]
+    (0 = embedding output, j = output of decoder layer j - 1). (EAGLE-1 reads the final
+    post-norm hidden state, index N: its method says so.)"""
     if num_layers < 3:
         return sorted({min(2, num_layers), num_layers // 2})
     ids: list[int] = []
@@ -85,9 +94,10 @@ def default_aux_layer_ids(num_layers: int, method: str = "eagle3") -> list[int]:
     return sorted(ids)
 
 
-def config_from_target(target_config, method: str = "eagle3", *, draft_vocab_size: int | None = None,
+def config_from_target(target_config, *, fused: bool = True, draft_vocab_size: int | None = None,
                        aux_layer_ids: list[int] | None = None) -> EagleConfig:
-    """Derive the drafter's shape from a transformers target config."""
+    """Derive the drafter's shape from a transformers target config (`fused`: the EAGLE-3
+    layout; otherwise EAGLE-1, which reads the final hidden state and the full vocabulary)."""
     tc = getattr(target_config, "text_config", None) or target_config
     heads = tc.num_attention_heads
     head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // heads
@@ -98,11 +108,11 @@ def config_from_target(target_config, method: str = "eagle3", *, draft_vocab_siz
     vocab = tc.vocab_size
     n_layers = tc.num_hidden_layers
     return EagleConfig(
-        method=method,
+        fused=fused,
         hidden_size=tc.hidden_size,
         vocab_size=vocab,
-        draft_vocab_size=vocab if method == "eagle1" else min(draft_vocab_size or vocab, vocab),
-        aux_layer_ids=list(aux_layer_ids) if aux_layer_ids else default_aux_layer_ids(n_layers, method),
+        draft_vocab_size=min(draft_vocab_size or vocab, vocab) if fused else vocab,
+        aux_layer_ids=list(aux_layer_ids) if aux_layer_ids else (default_aux_layer_ids(n_layers) if fused else [n_layers]),
         num_attention_heads=heads,
         num_key_value_heads=getattr(tc, "num_key_value_heads", heads) or heads,
         head_dim=head_dim,
@@ -249,8 +259,8 @@ class DrafterMLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-class EagleDrafter(nn.Module):
-    """One-layer EAGLE drafter (EAGLE-3 or EAGLE-1, by `cfg.method`).
+class EagleDrafter(DraftVocab, nn.Module):
+    """One-layer EAGLE drafter (EAGLE-3 or EAGLE-1, by `cfg.fused`).
 
     Parameters saved with the drafter (SGLang-style names for EAGLE-3): `fc.*`, `midlayer.*`,
     `norm.weight`, `lm_head.weight`, buffers `d2t`, `t2d`. The target's embedding (and, for
@@ -261,7 +271,7 @@ class EagleDrafter(nn.Module):
         super().__init__()
         self.cfg = cfg
         H = cfg.hidden_size
-        eagle3 = cfg.method == "eagle3"
+        eagle3 = cfg.fused  # the EAGLE-3 layout
         # No bias in either: vLLM's EAGLE-1 (llama_eagle.py) loads fc without one.
         self.fc = nn.Linear(cfg.num_aux * H if eagle3 else 2 * H, H, bias=False)
         self.midlayer = nn.Module()
@@ -294,19 +304,10 @@ class EagleDrafter(nn.Module):
             raise RuntimeError("call drafter.attach_target(target) before running the drafter")
         return self._target_embed[0](input_ids)
 
-    def set_vocab_mapping(self, d2t: Tensor, t2d: Tensor) -> None:
-        self.d2t.copy_(d2t)
-        self.t2d.copy_(t2d)
-
-    @property
-    def draft_ids(self) -> Tensor:
-        """[Vd] target ids of the draft vocabulary, in draft order."""
-        return torch.arange(self.cfg.draft_vocab_size, device=self.d2t.device) + self.d2t
-
     def init_from_target(self, target: nn.Module) -> None:
         """EAGLE-3: start the draft LM head from the target's rows for the draft vocab and the
         final norm from the target's final norm (as the official recipe does)."""
-        if self.cfg.method != "eagle3":
+        if not self.cfg.fused:
             return
         with torch.no_grad():
             w = target.get_output_embeddings().weight
@@ -315,13 +316,13 @@ class EagleDrafter(nn.Module):
     # ---- compute ------------------------------------------------------------------------------
     def fuse(self, aux_hidden: Tensor) -> Tensor:
         """[B, T, num_aux * H] target features -> [B, T, H] (EAGLE-1: identity)."""
-        return self.fc(aux_hidden) if self.cfg.method == "eagle3" else aux_hidden
+        return self.fc(aux_hidden) if self.cfg.fused else aux_hidden
 
     def _layer_input(self, input_ids: Tensor, hidden: Tensor) -> tuple[Tensor, Tensor]:
         """Returns (attention input [B,T,2H or H], residual [B,T,H])."""
         emb = self.embed(input_ids).to(hidden.dtype)
         m = self.midlayer
-        if self.cfg.method == "eagle3":
+        if self.cfg.fused:
             x = torch.cat([m.input_layernorm(emb), m.hidden_norm(hidden)], dim=-1)
             return x, hidden
         x = self.fc(torch.cat([emb, hidden], dim=-1))
@@ -333,7 +334,7 @@ class EagleDrafter(nn.Module):
 
     def logits(self, hidden_out: Tensor) -> Tensor:
         """[B, T, H] drafter output -> [B, T, Vd] logits over the draft vocabulary."""
-        if self.cfg.method == "eagle3":
+        if self.cfg.fused:
             return self.lm_head(self.norm(hidden_out))
         head = self._target_head[0]
         return head(hidden_out.to(head.weight.dtype))
@@ -422,71 +423,16 @@ class EagleDrafter(nn.Module):
 
 
 # ---- vocabulary mapping -----------------------------------------------------------------------
-def build_vocab_mapping(token_counts: Tensor, draft_vocab_size: int) -> tuple[Tensor, Tensor, float]:
-    """Reduced draft vocab from loss-masked token frequencies.
-
-    Args:
-        token_counts: [V] counts of each target token among loss-masked (assistant) tokens.
-        draft_vocab_size: Vd <= V.
-
-    Returns:
-        d2t [Vd] long offsets (target_id = draft_id + d2t[draft_id]), t2d [V] bool mask,
-        coverage: fraction of counted tokens inside the draft vocab.
-    """
-    V = token_counts.numel()
-    if not 0 < draft_vocab_size <= V:
-        raise ValueError(f"draft_vocab_size must be in 1..{V} (the target vocab), got {draft_vocab_size}")
-    # Most frequent first; ties (incl. never-seen tokens) broken by the lowest id (stable sort).
-    order = torch.sort(token_counts.double(), descending=True, stable=True).indices[:draft_vocab_size]
-    draft_to_target = torch.sort(order).values  # draft ids follow target-id order, as engines expect
-    d2t = draft_to_target - torch.arange(draft_vocab_size)
-    t2d = torch.zeros(V, dtype=torch.bool)
-    t2d[draft_to_target] = True
-    total = token_counts.sum().item()
-    coverage = float(token_counts[draft_to_target].sum().item() / total) if total > 0 else 0.0
-    validate_vocab_mapping(d2t, t2d)
-    return d2t, t2d, coverage
-
-
-def validate_vocab_mapping(d2t: Tensor, t2d: Tensor) -> None:
-    """Check the d2t / t2d invariants; raises ValueError naming the broken one."""
-    Vd, V = d2t.numel(), t2d.numel()
-    target_ids = torch.arange(Vd, device=d2t.device) + d2t
-    if d2t.dtype not in (torch.int64, torch.int32):
-        raise ValueError(f"d2t must be an integer tensor, got {d2t.dtype}")
-    if t2d.dtype != torch.bool:
-        raise ValueError(f"t2d must be a bool tensor, got {t2d.dtype}")
-    if Vd > V:
-        raise ValueError(f"draft vocab ({Vd}) is larger than the target vocab ({V})")
-    if target_ids.min() < 0 or target_ids.max() >= V:
-        raise ValueError(f"d2t maps draft ids outside the target vocab [0, {V})")
-    if target_ids.unique().numel() != Vd:
-        raise ValueError("d2t maps two draft ids to the same target id")
-    if int(t2d.sum()) != Vd:
-        raise ValueError(f"t2d marks {int(t2d.sum())} target ids but the draft vocab has {Vd}")
-    if not bool(t2d[target_ids].all()):
-        raise ValueError("d2t and t2d disagree: a draft id's target id is not marked in t2d")
-
-
 # ---- save / load --------------------------------------------------------------------------------
-def drafter_state_dict(drafter: EagleDrafter) -> dict[str, Tensor]:
-    return {k: v.detach().contiguous() for k, v in drafter.state_dict().items()}
-
-
-def save_eagle_weights(drafter: EagleDrafter, folder: str | Path, dtype: torch.dtype | None = None) -> None:
-    from safetensors.torch import save_file
-
-    sd = drafter_state_dict(drafter)
-    if dtype is not None:
-        sd = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in sd.items()}
-    save_file(sd, str(Path(folder) / "model.safetensors"), metadata={"format": "pt"})
-
-
-def load_drafter(path: str | Path, target: nn.Module | None = None, *, map_location: str = "cpu") -> EagleDrafter:
-    """Load an EAGLE drafter folder (config.json + model.safetensors); attach and check `target`."""
+def load_drafter(path: str | Path, target: nn.Module | None = None, *, map_location: str = "cpu",
+                 fused: bool | None = None) -> EagleDrafter:
+    """Load an EAGLE drafter folder (config.json + model.safetensors); attach and check `target`.
+    `fused` fills in the layout for folders saved before their `drafter` block recorded it."""
     from drafttrain.drafter_io import load_module_folder
 
-    return load_module_folder(path, lambda d: EagleDrafter(EagleConfig(**d)), target, map_location=map_location)
+    defaults = {} if fused is None else {"fused": fused}
+    return load_module_folder(path, lambda d: EagleDrafter(EagleConfig.from_dict(d, **defaults)), target,
+                              map_location=map_location)
 
 
 def eagle_config_dict(cfg: EagleConfig) -> dict:

@@ -9,7 +9,7 @@ predicts token x_{t+i+2}; the target's own head at t predicts x_{t+1}.
 A reduced draft vocabulary uses EAGLE's machinery: `d2t[i]` is the offset from draft id i to
 its target id, `t2d` a bool mask over the target vocabulary.
 
-Methods: "medusa1" (frozen target) and "medusa2" (heads trained jointly with a LoRA adapter on
+Methods: Medusa-1 (frozen target) and Medusa-2 (heads trained jointly with a LoRA adapter on
 the target). A Medusa-2 drafter folder also holds `adapter/` (PEFT, safetensors) and optionally
 `merged_target/`; its heads only make sense on the ADAPTED target, which `load_medusa_target`
 builds and which the decoder and eval must use as the target.
@@ -23,21 +23,21 @@ from __future__ import annotations
 
 import heapq
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-METHODS = ("medusa1", "medusa2")
+from drafttrain.vocab import DraftVocab
 
 
 @dataclass
 class MedusaConfig:
-    """Shape of a set of Medusa heads. Saved as the `drafter` block of config.json."""
+    """Shape of a set of Medusa heads. Saved as the `drafter` block of config.json (Medusa-1 and
+    Medusa-2 heads have the same shape: what differs is how they train and which target they read)."""
 
-    method: str = "medusa1"
     num_heads: int = 4
     num_layers: int = 1  # residual blocks per head
     hidden_size: int = 64
@@ -46,12 +46,16 @@ class MedusaConfig:
     share_lm_head: bool = False  # reuse the target's LM head (rows of the draft vocab); not saved
 
     def __post_init__(self) -> None:
-        if self.method not in METHODS:
-            raise ValueError(f"Medusa method {self.method!r} is not one of {', '.join(METHODS)}")
         if self.num_heads < 1 or self.num_layers < 0:
             raise ValueError(f"need num_heads >= 1 and num_layers >= 0, got {self.num_heads}, {self.num_layers}")
         if not 0 < self.draft_vocab_size <= self.vocab_size:
             raise ValueError(f"draft_vocab_size must be in 1..{self.vocab_size}, got {self.draft_vocab_size}")
+
+    @classmethod
+    def from_dict(cls, d: dict) -> MedusaConfig:
+        """From a saved `drafter` block; unknown keys (an older `method` label) are dropped."""
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
 
     @property
     def aux_layer_ids(self) -> list[int]:
@@ -59,12 +63,12 @@ class MedusaConfig:
         return []
 
 
-def config_from_target(target_config, method: str = "medusa1", *, num_heads: int = 4, num_layers: int = 1,
+def config_from_target(target_config, *, num_heads: int = 4, num_layers: int = 1,
                        draft_vocab_size: int | None = None, share_lm_head: bool = False) -> MedusaConfig:
     """Medusa heads shaped for a transformers target config."""
     tc = getattr(target_config, "text_config", None) or target_config
     vocab = tc.vocab_size
-    return MedusaConfig(method=method, num_heads=num_heads, num_layers=num_layers, hidden_size=tc.hidden_size,
+    return MedusaConfig(num_heads=num_heads, num_layers=num_layers, hidden_size=tc.hidden_size,
                         vocab_size=vocab, draft_vocab_size=min(draft_vocab_size or vocab, vocab),
                         share_lm_head=share_lm_head)
 
@@ -85,7 +89,7 @@ class ResBlock(nn.Module):
         return x
 
 
-class MedusaHeads(nn.Module):
+class MedusaHeads(DraftVocab, nn.Module):
     """K Medusa heads. Saved keys: `blocks.{i}.layers.{j}.{weight,bias}`, `lm_heads.{i}.weight`
     (absent with `share_lm_head`), buffers `d2t`, `t2d`."""
 
@@ -105,15 +109,6 @@ class MedusaHeads(nn.Module):
         """Remember the target's LM head (used by `share_lm_head`)."""
         self._target_head = [target.get_output_embeddings()]
         return self
-
-    def set_vocab_mapping(self, d2t: Tensor, t2d: Tensor) -> None:
-        self.d2t.copy_(d2t)
-        self.t2d.copy_(t2d)
-
-    @property
-    def draft_ids(self) -> Tensor:
-        """[Vd] target ids of the draft vocabulary, in draft order."""
-        return torch.arange(self.cfg.draft_vocab_size, device=self.d2t.device) + self.d2t
 
     def init_from_target(self, target: nn.Module) -> None:
         """Start every head's LM head from the target's rows for the draft vocabulary."""
@@ -188,11 +183,11 @@ def medusa_config_dict(cfg: MedusaConfig) -> dict:
 def load_medusa(path: str | Path, target: nn.Module | None = None, *, map_location: str = "cpu") -> MedusaHeads:
     """Load Medusa heads from a drafter folder; attach and check `target` (hidden, vocab, layers).
 
-    For "medusa2" folders, `target` should be the adapted target (`load_medusa_target`).
+    For Medusa-2 folders, `target` should be the adapted target (`load_medusa_target`).
     """
     from drafttrain.drafter_io import load_module_folder
 
-    return load_module_folder(path, lambda d: MedusaHeads(MedusaConfig(**d)), target, map_location=map_location)
+    return load_module_folder(path, lambda d: MedusaHeads(MedusaConfig.from_dict(d)), target, map_location=map_location)
 
 
 def adapter_id(target: nn.Module) -> str | None:
@@ -209,7 +204,7 @@ def load_medusa_target(path: str | Path, target: nn.Module, *, merge: bool = Tru
     is a different model from the original, kept close to it by a KL term during training).
 
     Args:
-        path: a "medusa2" drafter folder (with `adapter/`).
+        path: a Medusa-2 drafter folder (with `adapter/`).
         target: the original target (left untouched: the adapter is applied to a copy).
         merge: fold the adapter into the weights (a plain transformers model, as fast as the
             original); False keeps a PEFT model.
@@ -226,7 +221,7 @@ def load_medusa_target(path: str | Path, target: nn.Module, *, merge: bool = Tru
 
     folder = Path(path)
     meta = read_drafter_config(folder)
-    if meta.get("method") != "medusa2" or not (folder / "adapter").is_dir():
+    if not meta.get("adapter_id") or not (folder / "adapter").is_dir():
         raise ValueError(f"{folder} is not a Medusa-2 drafter with an adapter/ folder")
     model = PeftModel.from_pretrained(copy.deepcopy(target), str(folder / "adapter"))
     if merge:

@@ -36,7 +36,7 @@ def target():
 @functools.cache
 def eagle_drafter() -> EagleDrafter:
     torch.manual_seed(0)
-    return EagleDrafter(config_from_target(target().config, "eagle3", draft_vocab_size=None)).attach_target(target()).eval()
+    return EagleDrafter(config_from_target(target().config, draft_vocab_size=None)).attach_target(target()).eval()
 
 
 @functools.cache

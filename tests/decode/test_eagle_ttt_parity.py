@@ -19,7 +19,7 @@ from drafttrain.testing import tiny_target
 def test_chain_drafts_equal_ttt_unroll(fam, monkeypatch):
     target = tiny_target(fam, vocab_size=257, num_layers=6)
     torch.manual_seed(0)
-    cfg = config_from_target(target.config, "eagle3", draft_vocab_size=200)
+    cfg = config_from_target(target.config, draft_vocab_size=200)
     drafter = EagleDrafter(cfg).attach_target(target).eval()
     d2t, t2d, _ = build_vocab_mapping(torch.rand(257), 200)
     drafter.set_vocab_mapping(d2t, t2d)

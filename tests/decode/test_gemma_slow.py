@@ -29,7 +29,7 @@ def test_greedy_equals_generate(gemma, spec, tree):
         from drafttrain.models.eagle import EagleDrafter, config_from_target
 
         torch.manual_seed(0)
-        drafter = EagleDrafter(config_from_target(model.config, "eagle3")).attach_target(model).eval()
+        drafter = EagleDrafter(config_from_target(model.config)).attach_target(model).eval()
         proposer = load_proposer(drafter, model)
     else:
         proposer = load_proposer(spec, model)

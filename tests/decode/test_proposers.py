@@ -32,7 +32,7 @@ def reference(model, ids: torch.Tensor, n: int) -> list[int]:
 def eagle(model, method: str, draft_vocab: int | None = None, seed: int = 0) -> EagleDrafter:
     """A random EAGLE drafter; EAGLE-3 with a reduced vocabulary of `draft_vocab` random ids."""
     torch.manual_seed(seed)
-    cfg = config_from_target(model.config, method, draft_vocab_size=draft_vocab)
+    cfg = config_from_target(model.config, fused=method == "eagle3", draft_vocab_size=draft_vocab)
     drafter = EagleDrafter(cfg).attach_target(model).eval()
     V = cfg.vocab_size
     if method == "eagle3" and cfg.draft_vocab_size < V:

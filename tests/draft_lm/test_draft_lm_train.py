@@ -36,7 +36,7 @@ def fixed_batch_loss(cfg, run: Path) -> float:
     train_ds, _, _ = build_datasets(cfg.data, tok)
     student = DraftLM(AutoModelForCausalLM.from_pretrained(run / "drafter"), DraftLMConfig())
     batch = collate([train_ds[i] for i in range(4)], tok.pad_token_id)
-    feats = target_features(target, batch["input_ids"], batch["attention_mask"], FeatureSpec("draft_lm", []))
+    feats = target_features(target, batch["input_ids"], batch["attention_mask"], FeatureSpec([]))
     with torch.no_grad():
         loss, met = loss_step(cfg, student, target, batch, feats)
     assert met["count"][0] > 0

@@ -69,7 +69,7 @@ def test_regenerate_help_and_missing_out(dl_root, capsys):
 def test_on_policy_batch_replaces_responses_with_student_samples(dl_root):
     from transformers import AutoModelForCausalLM
 
-    from drafttrain.distill import on_policy_batch
+    from drafttrain.methods.draft_lm import on_policy_batch
 
     student = AutoModelForCausalLM.from_pretrained(dl_root / "target", dtype=torch.float32)
     ids = torch.tensor([[1, 10, 11, 12, 20, 21, 22, 0], [1, 13, 14, 30, 31, 32, 33, 34]])

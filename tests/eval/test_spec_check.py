@@ -52,7 +52,7 @@ def folders(tmp_path_factory, target) -> dict[str, Path]:
 
     root = tmp_path_factory.mktemp("specs")
     torch.manual_seed(0)
-    eagle = EagleDrafter(config_from_target(target.config, "eagle3")).attach_target(target)
+    eagle = EagleDrafter(config_from_target(target.config)).attach_target(target)
     heads = MedusaHeads(medusa_config(target.config, num_heads=2)).attach_target(target)
     out = {}
     for name, drafter in (("eagle3", eagle), ("medusa1", heads)):
@@ -159,7 +159,7 @@ DRAFTTRAIN = {"drafttrain": {"version": "0.1.0", "format": 1}, "drafter": {}}
     ({}, "has no config.json"),
     ({"README.md": "x"}, "has no config.json"),
     ({"config.json": json.dumps({"method": "eagle9", **DRAFTTRAIN}), "model.safetensors": ""},
-     "drafter method 'eagle9' has no proposer yet (known: eagle3, eagle1, medusa1, medusa2)"),
+     "drafter method 'eagle9' has no proposer yet (known: eagle3, eagle1, medusa1, medusa2, draft_lm)"),
     ({"config.json": json.dumps({"method": "eagle3", **DRAFTTRAIN})}, "eagle3 drafter folder"),
     ({"config.json": json.dumps({"method": "medusa1"}), "model.safetensors": ""}, "not written by drafttrain"),
     ({"config.json": json.dumps({"model_type": "llama"})}, "has no weights (model.safetensors or pytorch_model.bin)"),

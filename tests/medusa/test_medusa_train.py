@@ -36,7 +36,7 @@ def fixed_batch_loss(medusa_cfg, root: Path, run: Path, method: str) -> float:
         target = PeftModel.from_pretrained(target, str(run / "drafter" / "adapter"))
         feats = {}
     else:
-        feats = target_features(target, batch["input_ids"], batch["attention_mask"], FeatureSpec(method, []))
+        feats = target_features(target, batch["input_ids"], batch["attention_mask"], FeatureSpec([]))
     heads = load_medusa(run / "drafter", target)
     with torch.no_grad():
         loss, _ = loss_step(cfg, heads, target, batch, feats)
@@ -129,7 +129,7 @@ def _heldout_kl(target, held) -> float:
     from drafttrain.features import FeatureSpec, target_features
     from drafttrain.losses import kl_to_original
 
-    spec = FeatureSpec("medusa2", [])
+    spec = FeatureSpec([])
     with torch.no_grad():
         adapted = target_features(target, held["input_ids"], held["attention_mask"], spec)["final"]
         with target.disable_adapter():

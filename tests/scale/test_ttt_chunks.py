@@ -57,7 +57,7 @@ def test_drafter_unroll_same_with_and_without_chunks():
     """The whole EAGLE-3 unroll (7 steps, gradients into the drafter) does not depend on the chunk size."""
     target = tiny_target("llama", vocab_size=257, num_layers=6)
     torch.manual_seed(0)
-    drafter = EagleDrafter(config_from_target(target.config, "eagle3")).attach_target(target)
+    drafter = EagleDrafter(config_from_target(target.config)).attach_target(target)
     B, T, steps = 2, 37, 7
     ids = torch.randint(3, 257, (B, T + steps + 1))
     aux = torch.randn(B, T, 3 * 64)

@@ -39,7 +39,7 @@ def fixed_batch_loss(cfg: TrainConfig, run: Path) -> float:
     drafter = load_drafter(run / "drafter", target)
     batch = collate([train_ds[i] for i in range(4)], tok.pad_token_id)
     feats = target_features(target, batch["input_ids"], batch["attention_mask"],
-                            FeatureSpec(cfg.method, drafter.cfg.aux_layer_ids))
+                            FeatureSpec(drafter.cfg.aux_layer_ids, concat_aux=cfg.method == "eagle3"))
     with torch.no_grad():
         loss, _ = loss_step(cfg, drafter, target, batch, feats)
     return float(loss)
@@ -78,14 +78,14 @@ def test_online_and_offline_features_give_the_same_loss(target_dirs, chat_file, 
     records = FeatureCache(cache)
     assert len(records) == len(train_ds)
     torch.manual_seed(0)
-    drafter = EagleDrafter(config_from_target(target.config, "eagle3")).attach_target(target)
+    drafter = EagleDrafter(config_from_target(target.config)).attach_target(target)
     idx = [0, 3, 5]
     offline = collate_features([records[i] for i in idx], tok.pad_token_id)
     from drafttrain.data import collate
 
     online = collate([train_ds[i] for i in idx], tok.pad_token_id)
     assert torch.equal(offline["input_ids"], online["input_ids"])
-    spec = FeatureSpec("eagle3", drafter.cfg.aux_layer_ids)
+    spec = FeatureSpec(drafter.cfg.aux_layer_ids, concat_aux=True)
     f_on = target_features(target, online["input_ids"], online["attention_mask"], spec)
     with torch.no_grad():
         l_on, _ = loss_step(cfg, drafter, target, online, f_on)
