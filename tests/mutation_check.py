@@ -204,8 +204,8 @@ MUTANTS: list[Mutant] = [
            "the Triton path breaks ties toward the highest vocab block"),
     # ---- training loop ---------------------------------------------------------------------------
     Mutant("resume-replays-epoch", "drafttrain/trainer.py",
-           'it = accelerator.skip_first_batches(loader, state["micro_in_epoch"]) if state["micro_in_epoch"] else loader',
-           "it = loader",
+           'it = acc.skip_first_batches(run.loader, state["micro_in_epoch"]) if state["micro_in_epoch"] else run.loader',
+           "it = run.loader",
            ("tests/train/test_training.py::test_stop_and_resume_equals_uninterrupted",),
            "a resumed run restarts its epoch instead of skipping the batches already trained on"),
     Mutant("best-drafter-keeps-worst", "drafttrain/trainer.py",
