@@ -96,14 +96,15 @@ def convert_gguf(gguf_path: Path, out_dir: Path, *, progress: bool = True) -> Pa
         return out_dir
     print(f"drafttrain: converting {gguf_path.name} to safetensors once (about a minute) -> {out_dir}", flush=True)
     with atomic_dir(out_dir) as tmp:
-        with heartbeat("reading the GGUF tokenizer and weights", enabled=progress):
+        with heartbeat("reading the GGUF tokenizer", enabled=progress):
             tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
-        model = AutoModelForCausalLM.from_pretrained(
-            str(gguf_path.parent),
-            gguf_file=gguf_path.name,
-            dtype=torch.float32,
-            quantization_config=GgufConfig(dequantize=True),
-        )
+        with heartbeat("reading and dequantising the GGUF weights", enabled=progress):
+            model = AutoModelForCausalLM.from_pretrained(
+                str(gguf_path.parent),
+                gguf_file=gguf_path.name,
+                dtype=torch.float32,
+                quantization_config=GgufConfig(dequantize=True),
+            )
         # A fresh model from the plain config takes the dequantised weights: no GGUF state left.
         config = model.config
         if hasattr(config, "quantization_config"):

@@ -254,6 +254,7 @@ def _build_drafter(run: Run) -> None:
     from drafttrain.targets import num_layers
 
     cfg = run.cfg
+    log(run.accelerator, f"drafttrain: building the {cfg.method} drafter from the target")
     run.target = wrap_target_for_method(cfg, run.target, run.accelerator)
     run.drafter, run.coverage = build_drafter(cfg, run.target, run.train_ds, run.accelerator)
     run.spec = run.method.feature_spec(cfg, run.drafter, num_layers(run.target))
