@@ -164,8 +164,17 @@ def default_cache_dir() -> Path:
     return Path(root) / "data" if root else Path.home() / ".cache" / "drafttrain" / "data"
 
 
-def _cache_root(cfg: DataConfig) -> Path:
+def cache_root(cfg: DataConfig) -> Path:
+    """The data cache folder of `cfg` (data.cache_dir, or the default)."""
     return Path(cfg.cache_dir).expanduser() if cfg.cache_dir else default_cache_dir()
+
+
+_cache_root = cache_root
+
+
+def source_fingerprint(cfg: DataConfig) -> str:
+    """A fingerprint of the conversation files `cfg.path` names (path, size, mtime, head and tail)."""
+    return _fingerprint(_data_files(cfg.path))
 
 
 def _data_files(path: str) -> list[Path]:

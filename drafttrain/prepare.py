@@ -15,6 +15,7 @@ from drafttrain.textconfig import text_config
 def prepare(cfg: TrainConfig) -> Path:
     from accelerate import PartialState
 
+    from drafttrain.answers import training_data
     from drafttrain.data import build_datasets
     from drafttrain.distributed import cpu_processes, cpu_threads
     from drafttrain.errors import TrainingError
@@ -28,7 +29,8 @@ def prepare(cfg: TrainConfig) -> Path:
                                           revision=cfg.target_revision or None,
                                           trust_remote_code=cfg.trust_remote_code)
     with state.main_process_first():
-        train_ds, _, report = build_datasets(cfg.data, tokenizer)
+        data = training_data(cfg.data, cfg.answers, cfg.target, target, tokenizer, progress=state.is_main_process)
+        train_ds, _, report = build_datasets(data, tokenizer)
     method = get_method(cfg.method)
     if not method.offline_features:
         raise TrainingError(f"method={cfg.method} runs the target with gradients, so it needs features.mode=online "

@@ -1,22 +1,29 @@
 """`drafttrain regenerate`: the target writes its own answers to the training prompts.
 
-Each usable conversation of `data.path` gives one prompt (its system turn(s) and first user turn,
-rendered with the same template as training); the target samples a response in batches and
-every finished batch is appended to `out` as JSONL lines
+A drafter is asked at decode time to predict what the target writes, so the best training data
+is the target's own answers (a small base model answers unlike ShareGPT's assistants: it echoes
+and loops). Each usable conversation of `data.path` gives one prompt (its system turn(s) and
+first user turn, rendered with the same template as training); drafttrain's own batched
+speculative decoder answers them (`proposer`, n-gram by default: lossless, and several times
+faster on a target that repeats itself), a `greedy_share` of prompts at T=0 and the rest at
+`temperature`, and every finished batch is appended to `out` as JSONL lines
 
-    {"id": "<conversation key>", "messages": [{"role": "user", ...}, {"role": "assistant", ...}]}
+    {"id": "<conversation key>", "temperature": T, "messages": [{"role": "user", ...}, {"role": "assistant", ...}]}
 
 (OpenAI `messages` form, so `data.path=<out>` trains on it). A rerun appends: ids already in
-the file are skipped, and a line cut short by a kill is dropped first. Each record samples from
-its own seed (seed, id), so a resumed file holds the same responses a single run would.
+the file are skipped, and a line cut short by a kill is dropped first. Each record samples with
+its own seed (seed, id) and its temperature is a hash of (seed, id), so a resumed file holds the
+same responses a single run would. Training uses it with `answers.source=target` (answers.py).
 
-Prompts of data.max_len tokens or more are skipped (training would truncate their answers away).
+Skipped prompts: those of data.max_len tokens or more (training would truncate their answers
+away) and those that contain an MT-bench or HumanEval prompt (benchmarks never enter training).
 What it does not do: regenerate later turns of multi-turn conversations (the response is one
-turn), filter or score responses, or run the target through our speculative decoder.
+turn), or filter and score responses.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from dataclasses import dataclass
@@ -40,9 +47,12 @@ class RegenerateConfig:
     num_prompts: int = field_(0, help="first N usable conversations; 0 = all")
     batch_size: int = field_(8, help="prompts sampled together")
     max_new_tokens: int = field_(256, help="max tokens per response")
-    temperature: float = field_(1.0, help="sampling temperature (0 = greedy)")
+    temperature: float = field_(1.0, help="sampling temperature of the sampled share (0 = greedy)")
+    greedy_share: float = field_(0.0, help="share of prompts answered greedily (T=0), chosen by record id")
     top_p: float = field_(1.0, help="nucleus sampling mass (1 = off)")
     seed: int = field_(0, help="sampling seed (each record also mixes in its id)")
+    proposer: str = field_("ngram", help="drafter that speeds the answers up (any proposer spec; 'none' = plain)")
+    skip_benchmarks: bool = field_(True, help="skip prompts that contain an MT-bench or HumanEval prompt")
 
 
 HELP_TEXT = """usage: drafttrain regenerate target=MODEL data.path=CONVERSATIONS out=FILE.jsonl [key=value ...]
@@ -78,7 +88,9 @@ def prompts_of(cfg: RegenerateConfig, tokenizer) -> list[tuple[str, list[dict], 
     """
     from drafttrain.chat import render_prompt
     from drafttrain.data import load_conversations
+    from drafttrain.eval.benchmarks import benchmark_texts, contains_benchmark
 
+    bench = benchmark_texts() if cfg.skip_benchmarks else set()
     out, seen = [], set()
     for rec in load_conversations(cfg.data):
         messages = rec["messages"]
@@ -87,6 +99,8 @@ def prompts_of(cfg: RegenerateConfig, tokenizer) -> list[tuple[str, list[dict], 
         seen.add(rec["key"])
         first_user = next(j for j, m in enumerate(messages) if m["role"] == "user")
         prefix = messages[: first_user + 1]
+        if bench and contains_benchmark(" ".join(m["content"] for m in prefix), bench):
+            continue  # benchmark prompts never enter training data
         ids = render_prompt(tokenizer, prefix, cfg.data.template, cfg.data.system_prompt)
         if len(ids) >= cfg.data.max_len:
             continue
@@ -96,46 +110,95 @@ def prompts_of(cfg: RegenerateConfig, tokenizer) -> list[tuple[str, list[dict], 
     return out
 
 
-def regenerate(cfg: RegenerateConfig, *, progress: bool = True) -> dict:
-    """Write the target's responses to `cfg.out`; returns {"written", "skipped", "out"}."""
-    import torch
-    from tqdm.auto import tqdm
+def regenerate(cfg: RegenerateConfig, *, progress: bool = True, target=None, tokenizer=None) -> dict:
+    """Write the target's responses to `cfg.out`; returns {"written", "skipped", "out"}.
 
-    from drafttrain.rollouts import sample_responses
+    `target` / `tokenizer` reuse an already loaded target (training does); else `cfg.target` loads.
+    """
+    import torch
+
     from drafttrain.targets import load_target
 
     if not cfg.out:
         raise DataError("regenerate needs out=FILE.jsonl (where the responses go)")
-    if cfg.batch_size < 1 or cfg.max_new_tokens < 1:
-        raise DataError("regenerate needs batch_size >= 1 and max_new_tokens >= 1")
+    if cfg.batch_size < 1 or cfg.max_new_tokens < 1 or not 0.0 <= cfg.greedy_share <= 1.0:
+        raise DataError("regenerate needs batch_size >= 1, max_new_tokens >= 1 and greedy_share in [0, 1]")
     out = Path(cfg.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    target, tokenizer, _ = load_target(cfg.target, dtype=cfg.dtype, device=device,
-                                       revision=cfg.target_revision or None, trust_remote_code=cfg.trust_remote_code)
+    if target is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        target, tokenizer, _ = load_target(cfg.target, dtype=cfg.dtype, device=device,
+                                           revision=cfg.target_revision or None,
+                                           trust_remote_code=cfg.trust_remote_code)
     done = read_done(out)
     todo = [p for p in prompts_of(cfg, tokenizer) if p[0] not in done]
+    written = _answer_all(cfg, target, tokenizer, todo, out, progress)
+    return {"written": written, "skipped": len(done), "out": str(out)}
+
+
+def temperature_of(cfg: RegenerateConfig, key: str) -> float:
+    """The record's temperature: greedy for a `greedy_share` of records (by a hash of its id and
+    the seed, so a rerun and a resumed run agree), `cfg.temperature` for the rest."""
+    h = int(hashlib.sha256(f"{cfg.seed}:{key}".encode()).hexdigest()[:12], 16) / 16**12
+    return 0.0 if h < cfg.greedy_share else cfg.temperature
+
+
+def _answer_all(cfg: RegenerateConfig, target, tokenizer, todo: list, out: Path, progress: bool) -> int:
+    """Answers `todo` in batches of one temperature, appending each finished batch to `out`."""
+    from tqdm.auto import tqdm
+
+    from drafttrain.decode import load_proposer
+
+    target.eval()
+    proposer = None if cfg.proposer in ("", "none") else load_proposer(cfg.proposer, target, tokenizer=tokenizer)
     eos = eos_ids(target, tokenizer)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    bar = tqdm(total=len(todo), desc="regenerate", unit="resp", disable=not progress, dynamic_ncols=True)
+    groups: dict[float, list] = {}
+    for item in todo:
+        groups.setdefault(temperature_of(cfg, item[0]), []).append(item)
+    bar = tqdm(total=len(todo), desc="regenerate", unit="answer", disable=not progress, dynamic_ncols=True)
     written = 0
     with open(out, "a", encoding="utf-8") as f:
-        for lo in range(0, len(todo), cfg.batch_size):
-            batch = todo[lo: lo + cfg.batch_size]
-            seeds = [cfg.seed * 1_000_003 + int(key[:12], 16) for key, _, _ in batch]
-            samples = sample_responses(target, [ids for _, _, ids in batch], max_new_tokens=cfg.max_new_tokens,
-                                       eos=eos, seeds=seeds, temperature=cfg.temperature, top_p=cfg.top_p,
-                                       pad_id=pad)
-            for (key, prefix, _), toks in zip(batch, samples):
-                text = tokenizer.decode([t for t in toks if t not in eos], skip_special_tokens=True)
-                rec = {"id": key, "messages": [*prefix, {"role": "assistant", "content": text}]}
-                f.write(json.dumps(rec, ensure_ascii=False) + "\n")
-            f.flush()
-            os.fsync(f.fileno())  # a finished batch survives a kill
-            written += len(batch)
-            bar.update(len(batch))
+        for temp, items in sorted(groups.items()):
+            for lo in range(0, len(items), cfg.batch_size):
+                batch = items[lo: lo + cfg.batch_size]
+                for rec in answer_batch(cfg, target, tokenizer, proposer, batch, temp, eos):
+                    f.write(json.dumps(rec, ensure_ascii=False) + "\n")
+                f.flush()
+                os.fsync(f.fileno())  # a finished batch survives a kill
+                written += len(batch)
+                bar.update(len(batch))
     bar.close()
-    return {"written": written, "skipped": len(done), "out": str(out)}
+    return written
+
+
+def answer_batch(cfg: RegenerateConfig, target, tokenizer, proposer, batch: list, temperature: float,
+                 eos: list[int]) -> list[dict]:
+    """One batch of prompts answered by drafttrain's speculative decoder (lossless: the answers
+    follow the target's own law); each row keyed by its record's seed, so resuming is exact."""
+    import torch
+
+    from drafttrain.decode import speculative_generate
+
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    P = max(len(ids) for _, _, ids in batch)
+    ids = torch.full((len(batch), P), pad, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for b, (_, _, p) in enumerate(batch):
+        ids[b, P - len(p):] = torch.tensor(p, dtype=torch.long)
+        mask[b, P - len(p):] = 1
+    device = next(target.parameters()).device
+    seeds = [(cfg.seed * 1_000_003 + int(key[:12], 16)) % 2**62 for key, _, _ in batch]
+    if hasattr(proposer, "reset"):  # adaptive proposers start each batch cold, as a fresh run would
+        proposer.reset()
+    res = speculative_generate(target, proposer, ids.to(device), attention_mask=mask.to(device),
+                               max_new_tokens=cfg.max_new_tokens, temperature=temperature, top_p=cfg.top_p,
+                               seed=seeds if temperature > 0 else None, eos_token_id=eos)
+    out = []
+    for (key, prefix, _), toks in zip(batch, res.sequences):
+        text = tokenizer.decode([t for t in toks if t not in eos], skip_special_tokens=True)
+        out.append({"id": key, "temperature": temperature,
+                    "messages": [*prefix, {"role": "assistant", "content": text}]})
+    return out
 
 
 def cmd_regenerate(argv: list[str]) -> None:

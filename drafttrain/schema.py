@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from drafttrain.answers import AnswersConfig
 from drafttrain.config import field_
 from drafttrain.data import DataConfig
 from drafttrain.methods.registry import BUILTIN, DEFAULT_METHOD, method_names
@@ -123,6 +124,7 @@ class TrainConfig:
     tracking: str = field_("none", help="experiment tracker", choices=("none", "wandb"))
     print_config: bool = field_(False, help="print the resolved config and exit")
     data: DataConfig = field_(default_factory=DataConfig, help="")
+    answers: AnswersConfig = field_(default_factory=AnswersConfig, help="")
     drafter: DrafterSettings = field_(default_factory=DrafterSettings, help="")
     train: TrainSettings = field_(default_factory=TrainSettings, help="")
     features: FeatureSettings = field_(default_factory=FeatureSettings, help="")

@@ -185,6 +185,7 @@ class Run:
     t_start: float
     target: object = None
     tokenizer: object = None
+    data: object = None  # the DataConfig training reads (the target's answers with answers.source=target)
     train_ds: object = None
     held_ds: object = None
     report: object = None
@@ -235,6 +236,7 @@ def _run_folder(cfg: TrainConfig, accelerator) -> Path:
 
 
 def _load_target_and_data(run: Run) -> None:
+    from drafttrain.answers import training_data
     from drafttrain.data import build_datasets
     from drafttrain.targets import load_target
 
@@ -244,8 +246,10 @@ def _load_target_and_data(run: Run) -> None:
         run.target, run.tokenizer, _ = load_target(cfg.target, dtype=cfg.dtype, device=acc.device,
                                                    revision=cfg.target_revision or None,
                                                    trust_remote_code=cfg.trust_remote_code)
-    with acc.main_process_first():
-        run.train_ds, run.held_ds, run.report = build_datasets(cfg.data, run.tokenizer)
+    with acc.main_process_first():  # rank 0 answers the prompts (when asked) and tokenises; the others read
+        run.data = training_data(cfg.data, cfg.answers, cfg.target, run.target, run.tokenizer,
+                                 progress=acc.is_main_process)
+        run.train_ds, run.held_ds, run.report = build_datasets(run.data, run.tokenizer)
     log(acc, run.report.summary())
     run.pad = run.tokenizer.pad_token_id if run.tokenizer.pad_token_id is not None else 0
 
@@ -345,7 +349,7 @@ def setup(cfg: TrainConfig) -> Run:
     if cfg.train.decode_eval_every or cfg.train.decode_eval_final:
         from drafttrain.data import heldout_prompts
 
-        run.decode_prompts = heldout_prompts(cfg.data, run.tokenizer, cfg.train.decode_eval_prompts)
+        run.decode_prompts = heldout_prompts(run.data, run.tokenizer, cfg.train.decode_eval_prompts)
     return run
 
 

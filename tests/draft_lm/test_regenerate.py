@@ -85,3 +85,68 @@ def test_on_policy_batch_replaces_responses_with_student_samples(dl_root):
     again = on_policy_batch(student, {"input_ids": ids, "attention_mask": attn, "loss_mask": lmask},
                             max_new_tokens=6, max_len=64, temperature=1.0, seed=3)
     assert torch.equal(out["input_ids"], again["input_ids"])  # seeded: a resumed run samples the same
+
+
+def test_greedy_answers_are_the_targets_own_and_the_mix_follows_greedy_share(dl_root, tmp_path):
+    """Answers come from drafttrain's speculative decoder (n-gram drafts): at T=0 they equal the
+    target's own greedy continuation (lossless); greedy_share picks which records are greedy, by
+    a hash of their id (so a resumed run agrees)."""
+    from drafttrain.eos import eos_ids
+    from drafttrain.targets import load_target
+
+    out = tmp_path / "mix.jsonl"
+    regenerate(regen_cfg(dl_root, out, "num_prompts=16", "greedy_share=0.5", "proposer=ngram"), progress=False)
+    recs = [json.loads(ln) for ln in out.read_text().splitlines()]
+    temps = [r["temperature"] for r in recs]
+    assert 3 <= temps.count(0.0) <= 13 and set(temps) == {0.0, 1.0}
+    target, tok, _ = load_target(str(dl_root / "target"), dtype="float32")
+    from drafttrain.chat import render_prompt
+
+    for r in [r for r in recs if r["temperature"] == 0.0][:3]:
+        ids = torch.tensor([render_prompt(tok, r["messages"][:-1], "auto", "")])
+        want = target.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=12,
+                               eos_token_id=None, pad_token_id=0)[0, ids.shape[1]:].tolist()
+        eos = eos_ids(target, tok)
+        cut = next((i for i, t in enumerate(want) if t in eos), len(want))  # answers stop at EOS
+        assert r["messages"][-1]["content"] == tok.decode(want[:cut], skip_special_tokens=True)
+
+
+def test_benchmark_prompts_never_enter_regenerated_data(dl_root, tmp_path):
+    """A training file holding an MT-bench question (verbatim, or inside a longer turn) and a
+    HumanEval stub: neither is answered."""
+    from drafttrain.eval.benchmarks import humaneval_problems, mtbench_questions
+    from drafttrain.regenerate import prompts_of
+    from drafttrain.targets import load_tokenizer
+
+    mt = mtbench_questions()[0][2][0]["content"]
+    he = humaneval_problems()[0][2][0]["content"]
+    convs = json.loads((dl_root / "chat.json").read_text())[:4] + [
+        {"conversations": [{"from": "human", "value": mt}, {"from": "gpt", "value": "ok"}]},
+        {"conversations": [{"from": "human", "value": "Please help: " + he.upper()}, {"from": "gpt", "value": "ok"}]},
+    ]
+    path = tmp_path / "chat.json"
+    path.write_text(json.dumps(convs))
+    cfg = parse_args([f"target={dl_root / 'target'}", f"data.path={path}", f"out={tmp_path / 'o.jsonl'}",
+                      "data.max_len=100000", "num_prompts=0"], RegenerateConfig)
+    tok = load_tokenizer(str(dl_root / "target"))
+    assert len(prompts_of(cfg, tok)) == 4
+    cfg.skip_benchmarks = False
+    assert len(prompts_of(cfg, tok)) == 6
+
+
+def test_default_training_prompts_hold_no_benchmark_prompt():
+    """The embedded default (packaged ShareGPT, the eagle recipe's 420 + 32 records): no MT-bench
+    or HumanEval prompt among its training or held-out prompts."""
+    from drafttrain.data import DataConfig, load_conversations
+    from drafttrain.eval.benchmarks import benchmark_texts, contains_benchmark
+
+    bench = benchmark_texts()
+    assert len(bench) > 200  # both benchmarks installed (80 x 2 MT-bench turns, 164 HumanEval stubs)
+    users = []
+    for rec in load_conversations(DataConfig(path="sharegpt")):
+        turns = [m["content"] for m in rec["messages"] if m["role"] == "user"]
+        if turns:
+            users.append(turns[0])
+        if len(users) >= 2000:  # several times what the recipe reads, in file order
+            break
+    assert not [u[:80] for u in users if contains_benchmark(u, bench)]

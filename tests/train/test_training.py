@@ -232,3 +232,22 @@ def test_cpu_threads_use_the_machine_not_accelerates_one(monkeypatch):
         assert cpu_threads(0, torch.device("cuda")) == 0 and torch.get_num_threads() == 3  # GPUs: left alone
     finally:
         torch.set_num_threads(before)
+
+
+def test_training_on_the_targets_own_answers_regenerates_once(target_dirs, chat_file, tmp_path):
+    """answers.source=target: the target answers the training prompts first (cached under the data
+    cache), training reads those answers, and a second run reuses the file without answering again."""
+    import os
+
+    extra = ("answers.source=target", "answers.max_new_tokens=8", "answers.batch_size=4", "data.num_samples=8",
+             "data.heldout=2", "train.max_steps=2", "train.decode_eval_final=false")
+    summary = train(cfg_for(target_dirs["llama"], chat_file, tmp_path / "a", *extra))
+    files = list((Path(os.environ["DRAFTTRAIN_CACHE"]) / "data" / "answers").glob("*.jsonl"))
+    assert len(files) == 1 and summary["steps"] == 2
+    recs = [json.loads(ln) for ln in files[0].read_text().splitlines()]
+    assert len(recs) >= 10 and all(r["messages"][-1]["role"] == "assistant" for r in recs)
+    data = json.loads((tmp_path / "a" / "drafter" / "config.json").read_text())["data"]
+    assert data["train_records"] + data["heldout_records"] >= 8  # the regenerated records were trained on
+    before = files[0].read_bytes()
+    train(cfg_for(target_dirs["llama"], chat_file, tmp_path / "b", *extra))
+    assert files[0].read_bytes() == before  # cached: nothing answered twice
