@@ -48,7 +48,7 @@ def eagle3_loss(drafter, target, batch: dict[str, Tensor], feats: dict[str, Tens
     B, T = input_ids.shape
     raw = drafter.module if hasattr(drafter, "module") else drafter
     draft_ids = raw.draft_ids
-    with torch.no_grad():
+    with torch.no_grad(), torch.profiler.record_function("teacher"):
         t_logits = teacher_draft_logits(target, feats["final"], draft_ids)  # [B, T, Vd]
         t_probs = torch.softmax(t_logits, dim=-1)
         t_top = t_logits.argmax(-1)  # [B, T] (draft ids)

@@ -411,18 +411,18 @@ class EagleDrafter(DraftVocab, nn.Module):
         values: list[Tensor] = []
         outputs = []
         for k in range(steps):
-            tokens = input_ids[:, k + 1 : k + 1 + T]
-            x, residual = self._layer_input(tokens, hidden)
-            q, kk, vv = attn.qkv(x, base + 1 + k)
-            keys.append(kk)
-            values.append(vv)
-            o = ttt_attention(q, keys, values, valid, self.ttt_chunk)
-            hidden = self._finish(attn.out(o), residual)
-            outputs.append((self.logits(hidden), hidden))
+            with torch.profiler.record_function(f"unroll_{k}"):  # named in bench/train_profile.py
+                tokens = input_ids[:, k + 1 : k + 1 + T]
+                x, residual = self._layer_input(tokens, hidden)
+                q, kk, vv = attn.qkv(x, base + 1 + k)
+                keys.append(kk)
+                values.append(vv)
+                o = ttt_attention(q, keys, values, valid, self.ttt_chunk)
+                hidden = self._finish(attn.out(o), residual)
+                outputs.append((self.logits(hidden), hidden))
         return outputs
 
 
-# ---- vocabulary mapping -----------------------------------------------------------------------
 # ---- save / load --------------------------------------------------------------------------------
 def load_drafter(path: str | Path, target: nn.Module | None = None, *, map_location: str = "cpu",
                  fused: bool | None = None) -> EagleDrafter:
