@@ -18,7 +18,7 @@ the prefix (draft_probs None), so verification keeps them exactly lossless at an
 
 Confidence (for adaptive / hybrid scheduling): top count / (context count + 1) of the context
 used; a context seen once gives 0.5, a habit seen 40 times in 40 gives ~0.98. The calibrator
-(adaptive.py) turns it, with the node's depth, into an acceptance estimate.
+(calibrator.py) turns it, with the node's depth, into an acceptance estimate.
 
 Deliberately not here: suffix trees over the whole corpus (contexts longer than max_order),
 learning from the answers decoded so far (the corpus is fixed for a run, so results do not depend
