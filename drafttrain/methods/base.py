@@ -51,6 +51,26 @@ class DrafterMethod:
         """(drafter on `device`, share of training assistant tokens its draft vocab covers)."""
         raise NotImplementedError
 
+    @staticmethod
+    def wire(drafter: nn.Module, cfg, target: nn.Module, train_ds, device) -> float:
+        """The steps every drafter with a `DraftVocab` shares after construction: pick the reduced
+        draft vocabulary from the training tokens (when it is smaller than the target's), attach
+        and initialise from the target, move to `device` in drafter.dtype. Returns the share of
+        training assistant tokens the draft vocabulary covers."""
+        import torch
+
+        from drafttrain.vocab import build_vocab_mapping, token_counts
+
+        coverage = 1.0
+        if drafter.cfg.draft_vocab_size < drafter.cfg.vocab_size:
+            counts = token_counts(train_ds, drafter.cfg.vocab_size)
+            d2t, t2d, coverage = build_vocab_mapping(counts, drafter.cfg.draft_vocab_size)
+            drafter.set_vocab_mapping(d2t, t2d)
+        drafter.attach_target(target)
+        drafter.init_from_target(target)
+        drafter.to(device=device, dtype=getattr(torch, cfg.drafter.dtype))
+        return coverage
+
     def check_config(self, cfg, num_processes: int) -> None:
         """Raise TrainingError when `cfg` asks for something this method cannot do."""
 

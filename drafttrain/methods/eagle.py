@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
 from torch import nn
 
 from drafttrain.decode.proposers.eagle import EagleProposer
@@ -21,12 +20,10 @@ from drafttrain.features import FeatureSpec
 from drafttrain.methods.base import DrafterMethod
 from drafttrain.models.eagle import (
     EagleDrafter,
-    build_vocab_mapping,
     config_from_target,
     default_aux_layer_ids,
 )
 from drafttrain.textconfig import text_config
-from drafttrain.vocab import token_counts
 
 __all__ = ["EagleMethod"]
 
@@ -46,14 +43,7 @@ class EagleMethod(DrafterMethod):
             raise TrainingError(f"drafter.aux_layer_ids {bad} out of range: the target has hidden_states "
                                 f"0..{tcfg.num_hidden_layers}")
         drafter = EagleDrafter(ecfg)
-        coverage = 1.0
-        if ecfg.draft_vocab_size < ecfg.vocab_size:  # a reduced draft vocabulary (EAGLE-3)
-            d2t, t2d, coverage = build_vocab_mapping(token_counts(train_ds, tcfg.vocab_size), ecfg.draft_vocab_size)
-            drafter.set_vocab_mapping(d2t, t2d)
-        drafter.attach_target(target)
-        drafter.init_from_target(target)
-        drafter.to(device=device, dtype=getattr(torch, cfg.drafter.dtype))
-        return drafter, coverage
+        return drafter, self.wire(drafter, cfg, target, train_ds, device)
 
     def feature_spec(self, cfg, drafter: nn.Module | None, num_layers: int) -> FeatureSpec:
         if drafter is not None:

@@ -25,7 +25,6 @@ from drafttrain.losses import _shift
 from drafttrain.methods.base import DrafterMethod
 from drafttrain.models.medusa import MedusaHeads, config_from_target, learned_tree, load_medusa
 from drafttrain.textconfig import text_config
-from drafttrain.vocab import build_vocab_mapping, token_counts
 
 __all__ = ["MedusaMethod", "medusa_rank_accuracy"]
 
@@ -41,14 +40,7 @@ class MedusaMethod(DrafterMethod):
                                   draft_vocab_size=cfg.drafter.draft_vocab_size or tcfg.vocab_size,
                                   share_lm_head=m.share_lm_head)
         heads = MedusaHeads(mcfg)
-        coverage = 1.0
-        if mcfg.draft_vocab_size < mcfg.vocab_size:
-            d2t, t2d, coverage = build_vocab_mapping(token_counts(train_ds, tcfg.vocab_size), mcfg.draft_vocab_size)
-            heads.set_vocab_mapping(d2t, t2d)
-        heads.attach_target(target)
-        heads.init_from_target(target)
-        heads.to(device=device, dtype=getattr(torch, cfg.drafter.dtype))
-        return heads, coverage
+        return heads, self.wire(heads, cfg, target, train_ds, device)
 
     def feature_spec(self, cfg, drafter: nn.Module | None, num_layers: int) -> FeatureSpec:
         return FeatureSpec([], concat_aux=False)  # the final post-norm state only
