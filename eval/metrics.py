@@ -33,9 +33,11 @@ import math
 from collections import defaultdict
 from dataclasses import dataclass, field
 
+import torch
+
 from drafttrain.eval.results import CategorySummary, MethodSummary, Repetition, Spread, Theory, TimeSplit
 
-__all__ = ["Call", "mean_std", "repetition", "summarize", "add_speedups", "add_prompt_speedups", "theory",
+__all__ = ["Call", "mean_std", "repetition", "summarize", "add_speedups", "add_prompt_speedups", "speedup_ci95", "theory",
            "first_divergence", "iid_tau", "iid_speedup"]
 
 
@@ -207,13 +209,27 @@ def add_speedups(methods: dict[str, MethodSummary], baselines: list[str]) -> Non
 
 
 def add_prompt_speedups(methods: dict[str, MethodSummary], walls: dict[str, list[float]]) -> None:
-    """Per-prompt speedup spread vs target-only decoding from per-prompt wall times (batch 1 runs)."""
+    """Per-prompt speedup spread vs target-only decoding from per-call wall times, and a 95%
+    bootstrap interval of the overall speedup (the calls are the prompts at batch 1)."""
     if "target" not in walls:
         return
     for name, w in walls.items():
         if name in methods and len(w) == len(walls["target"]):
             mu, sd = mean_std([b / x for b, x in zip(walls["target"], w) if x > 0])
             methods[name].speedup_per_prompt_vs_target = Spread(mean=mu, std=sd)
+            if name != "target" and len(w) >= 2:
+                methods[name].speedup_ci95_vs_target = speedup_ci95(walls["target"], w)
+
+
+def speedup_ci95(base: list[float], walls: list[float], *, resamples: int = 2000, seed: int = 0) -> list[float]:
+    """95% percentile-bootstrap interval of sum(base) / sum(walls), resampling the paired calls
+    (prompts) with replacement: how much the speedup owes to which prompts were drawn."""
+    g = torch.Generator().manual_seed(seed)
+    b, w = torch.tensor(base, dtype=torch.float64), torch.tensor(walls, dtype=torch.float64)
+    idx = torch.randint(0, len(b), (resamples, len(b)), generator=g)
+    ratios = b[idx].sum(1) / w[idx].sum(1).clamp_min(1e-12)
+    lo, hi = torch.quantile(ratios, torch.tensor([0.025, 0.975], dtype=torch.float64)).tolist()
+    return [round(lo, 4), round(hi, 4)]
 
 
 def theory(method: MethodSummary, target: MethodSummary | None) -> Theory | None:

@@ -45,7 +45,7 @@ def markdown(results: Results) -> str:
     return "\n".join(lines)
 
 
-_HEAD = ("method", "tok/s", "speedup vs target", "vs hf", "tau (mean ± sd)", "accept@1..4", "draft/verify/other s",
+_HEAD = ("method", "tok/s", "speedup vs target [95% CI]", "vs hf", "tau (mean ± sd)", "accept@1..4", "draft/verify/other s",
          "theory speedup (iid / cost model)", "rep 4-gram", "prompt overlap", "greedy = target")
 
 
@@ -64,7 +64,9 @@ def _run_table(run: Run) -> list[str]:
         theo = f"{th.speedup_iid:.2f} / {th.speedup_cost_model:.2f}" if th else "-"
         match = "ref" if name == "target" else _match(checks.get(name))
         rep = m.repetition
-        lines.append("| " + " | ".join([name, _f(m.tokens_per_s, 1), _f(sp.get("vs_target")), _f(sp.get("vs_hf")),
+        ci = m.speedup_ci95_vs_target
+        vs_target = _f(sp.get("vs_target")) + (f" [{ci[0]:.2f}, {ci[1]:.2f}]" if ci else "")
+        lines.append("| " + " | ".join([name, _f(m.tokens_per_s, 1), vs_target, _f(sp.get("vs_hf")),
                                          tau, acc, split, theo, _f(rep.repeated_4gram_frac),
                                          _f(rep.prompt_4gram_overlap), match]) + " |")
     return lines

@@ -65,8 +65,8 @@ __all__ = ["SCHEMA_VERSION", "READABLE_VERSIONS", "TAU_CONVENTION", "Record", "R
            "Theory", "GreedyCheck", "Divergence", "OracleBound", "OracleRates", "OracleChoice", "FixedLength",
            "OracleCategory", "SweepRow", "SweepCategory"]
 
-SCHEMA_VERSION = 2
-READABLE_VERSIONS = (1, 2)
+SCHEMA_VERSION = 3  # 3: speedup_ci95_vs_target
+READABLE_VERSIONS = (1, 2, 3)
 TAU_CONVENTION = "tau = tokens emitted per target forward, bonus token included (EAGLE convention); prefill excluded"
 
 
@@ -250,6 +250,7 @@ class MethodSummary(Record):
     per_category: dict[str, CategorySummary] = field(default_factory=dict)
     speedup: dict[str, float] | None = None
     speedup_per_prompt_vs_target: Spread | None = None
+    speedup_ci95_vs_target: list[float] | None = None  # bootstrap over prompts, [2.5%, 97.5%]
     theory: Theory | None = None
     oracle: OracleBound | None = None
 

@@ -9,7 +9,7 @@ method names). Everything goes through `security.scrub_text`.
 What it does not do: measure anything. Without eval results the card says so and shows only the
 training run's held-out *simulated* τ.
 
-Results read: `drafttrain eval`'s results.json (schema_version 1 or 2, documented in
+Results read: `drafttrain eval`'s results.json (schema_version 1, 2 or 3, documented in
 eval/results.py: `benchmark.name`, `machine`, `config`, `runs[].temperature`,
 `runs[].methods.{name}.tau` and `.speedup.vs_target`), and, tolerantly, a flat form {"results":
 [{"proposer", "benchmark", "temperature", "tau", "speedup"}], "machine", "settings"} or a bare
@@ -75,7 +75,7 @@ def read_results(path: str | Path) -> dict:
 
 
 def _read_eval_report(raw: dict) -> dict:
-    """`drafttrain eval` results.json (schema_version 1 or 2: the fields read here are in both) -> the card's rows."""
+    """`drafttrain eval` results.json (schema_version 1-3: the fields read here are in all) -> the card's rows."""
     bench = (raw.get("benchmark") or {}).get("name", "?")
     rows = []
     for run in raw["runs"]:

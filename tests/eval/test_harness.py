@@ -38,7 +38,7 @@ def report(model_dirs, tmp_path_factory):
 
 def test_report_schema(report):
     out, res = report
-    assert res["schema_version"] == 2 and "bonus token included" in res["tau_convention"]
+    assert res["schema_version"] == 3 and "bonus token included" in res["tau_convention"]
     assert res["benchmark"]["num_prompts"] == 3 and res["benchmark"]["categories"] == {"a": 2, "b": 1}
     assert [r["temperature"] for r in res["runs"]] == [0.0, 1.0]
     for run in res["runs"]:
@@ -53,6 +53,8 @@ def test_report_schema(report):
                 assert len(m["tau_per_prompt"]) == 3
         assert methods["target"]["tau"] == 1.0 and methods["target"]["speedup"]["vs_target"] == 1.0
         assert "theory" in methods["ngram"] and "theory" not in methods["target"]
+        lo, hi = methods["ngram"]["speedup_ci95_vs_target"]  # bootstrap over the 3 prompts (batch 1)
+        assert lo <= methods["ngram"]["speedup"]["vs_target"] <= hi
         assert set(methods["ngram"]["per_category"]) == {"a", "b"}
     tokens = [json.loads(line) for line in (out / "tokens.jsonl").read_text().splitlines()]
     assert len(tokens) == 2 * 7 * 3

@@ -135,3 +135,17 @@ def test_text_bars_are_proportional_on_one_scale():
     assert [len(b) for b in bars] == [8, 4, 0]  # 2/4 and 1/4 of 16 characters
     assert lines[0].endswith("2.00x") and lines[2].endswith("0.00x")
     assert text_bars([("a", 1.0), ("b", 0.25)], width=2)[1].split("  ")[1] == "▌"  # a half character: 4 eighths
+
+
+def test_speedup_interval_is_a_bootstrap_over_prompts():
+    """The 95% interval of sum(target walls) / sum(method walls): equal per-prompt speedups give a
+    point, spread ones an interval around the overall figure that narrows with more prompts."""
+    from drafttrain.eval.metrics import speedup_ci95
+
+    assert speedup_ci95([2.0, 4.0, 6.0], [1.0, 2.0, 3.0]) == [2.0, 2.0]
+    base = [1.0, 1.0, 1.0, 1.0] * 4
+    walls = [0.5, 1.0, 0.8, 0.4] * 4
+    lo, hi = speedup_ci95(base, walls)
+    assert lo < sum(base) / sum(walls) < hi
+    lo8, hi8 = speedup_ci95(base[:8], walls[:8])
+    assert hi8 - lo8 > hi - lo  # fewer prompts, a wider interval
