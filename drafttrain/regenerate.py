@@ -148,6 +148,7 @@ def _answer_all(cfg: RegenerateConfig, target, tokenizer, todo: list, out: Path,
     from tqdm.auto import tqdm
 
     from drafttrain.decode import load_proposer
+    from drafttrain.progress import keep_alive
 
     target.eval()
     proposer = None if cfg.proposer in ("", "none") else load_proposer(cfg.proposer, target, tokenizer=tokenizer)
@@ -157,7 +158,7 @@ def _answer_all(cfg: RegenerateConfig, target, tokenizer, todo: list, out: Path,
         groups.setdefault(temperature_of(cfg, item[0]), []).append(item)
     bar = tqdm(total=len(todo), desc="regenerate", unit="answer", disable=not progress, dynamic_ncols=True)
     written = 0
-    with open(out, "a", encoding="utf-8") as f:
+    with open(out, "a", encoding="utf-8") as f, keep_alive(bar):  # a batch takes tens of seconds
         for temp, items in sorted(groups.items()):
             for lo in range(0, len(items), cfg.batch_size):
                 batch = items[lo: lo + cfg.batch_size]
