@@ -13,7 +13,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -242,20 +241,19 @@ def test_profile_checks_before_loading_the_target(no_target_load, capsys):
 
 
 @pytest.mark.parametrize("spec", ["/no/such/folder", "foo:3", "owner/name"])
-def test_cli_bad_spec_is_one_line_in_under_5_s(spec, tmp_path):
-    """The issue's Done-when, as a user runs it: the default target (Gemma 3 270M, ~30 s to load,
-    longer to convert into this empty cache) must not load at all."""
+def test_cli_bad_spec_is_one_line_before_the_target_loads(spec, tmp_path):
+    """As a user runs it: the default target (Gemma 3 270M, ~30 s to load, longer to convert into
+    this empty cache) must not load at all: the cache stays without a converted target. (The wall
+    time, ~2 s on an idle 2-core machine, is a figure for the notes, not an assertion.)"""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "DRAFTTRAIN_CACHE": str(tmp_path / "cache")}
     env.pop("DRAFTTRAIN_DEBUG", None)
-    t0 = time.perf_counter()
     try:
         p = subprocess.run([sys.executable, "-m", "drafttrain.cli", "eval", f"proposers={spec}",
                             f"output_dir={tmp_path / 'out'}", "progress=false"], cwd=tmp_path, env=env,
                            capture_output=True, text=True, timeout=20)
     except subprocess.TimeoutExpired:
         pytest.fail(f"proposers={spec}: still running after 20 s (the target loads before the spec is checked)")
-    wall = time.perf_counter() - t0
     lines = [ln for ln in (p.stdout + p.stderr).splitlines() if ln.strip()]
     assert p.returncode != 0 and len(lines) == 1, p.stdout + p.stderr
     assert lines[0].startswith(f"drafttrain: error: cannot load proposer {spec!r}: "), lines[0]
-    assert wall < 5.0, f"{wall:.1f} s"
+    assert not (tmp_path / "cache" / "targets").exists()  # the target was never converted nor loaded
