@@ -26,10 +26,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
 from drafttrain import features
 from drafttrain.features import FeatureSpec
+from drafttrain.vocab import build_vocab_mapping, token_counts
 
 __all__ = ["DrafterMethod"]
 
@@ -57,10 +59,6 @@ class DrafterMethod:
         draft vocabulary from the training tokens (when it is smaller than the target's), attach
         and initialise from the target, move to `device` in drafter.dtype. Returns the share of
         training assistant tokens the draft vocabulary covers."""
-        import torch
-
-        from drafttrain.vocab import build_vocab_mapping, token_counts
-
         coverage = 1.0
         if drafter.cfg.draft_vocab_size < drafter.cfg.vocab_size:
             counts = token_counts(train_ds, drafter.cfg.vocab_size)
