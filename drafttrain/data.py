@@ -169,9 +169,6 @@ def cache_root(cfg: DataConfig) -> Path:
     return Path(cfg.cache_dir).expanduser() if cfg.cache_dir else default_cache_dir()
 
 
-_cache_root = cache_root
-
-
 def source_fingerprint(cfg: DataConfig) -> str:
     """A fingerprint of the conversation files `cfg.path` names (path, size, mtime, head and tail)."""
     return _fingerprint(_data_files(cfg.path))
@@ -303,7 +300,7 @@ def _load_normalized(cfg: DataConfig) -> tuple[datasets.Dataset, dict, str]:
         raise DataError(f"unknown data.format {cfg.format!r}; expected one of {', '.join(FORMATS)}")
     files = _data_files(cfg.path)
     fp = _fingerprint(files)
-    entry = _cache_root(cfg) / "conversations" / f"{fp}-{cfg.format}-v{CACHE_VERSION}"
+    entry = cache_root(cfg) / "conversations" / f"{fp}-{cfg.format}-v{CACHE_VERSION}"
     if not (entry / "stats.json").exists():
 
         def write(tmp: Path) -> None:
@@ -440,7 +437,7 @@ def build_datasets(cfg: DataConfig, tokenizer) -> tuple[datasets.Dataset, datase
     settings = {k: v for k, v in asdict(cfg).items() if k not in ("path", "cache_dir")}
     settings.update(template=template, tokenizer=tokenizer_hash(tokenizer), files=fp, v=CACHE_VERSION)
     key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
-    entry = _cache_root(cfg) / "tokenized" / key
+    entry = cache_root(cfg) / "tokenized" / key
 
     if not (entry / "report.json").exists():
         if len(convs) == 0:
