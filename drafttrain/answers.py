@@ -4,7 +4,8 @@ With `answers.source=target` the target answers the training prompts before trai
 (`drafttrain regenerate`'s machinery: drafttrain's speculative decoder, a `greedy_share` at T=0
 and the rest at `temperature`, benchmark prompts skipped) and training reads those answers. The
 file is cached under the data cache, keyed by the target, the prompts' source files, the data
-and answer settings, so a second run reuses it and a killed run resumes it where it stopped.
+and answer settings (not how many prompts: a run that wants more extends the file), so a second
+run reuses it and a killed run resumes it where it stopped.
 Held-out records come from the same file (the target's answers to held-out prompts), so
 held-out accuracy measures what decoding needs: predicting the target.
 
@@ -50,9 +51,12 @@ def prompts_needed(data: DataConfig, answers: AnswersConfig) -> int:
 
 def answers_path(data: DataConfig, answers: AnswersConfig, target_spec: str, target_id: dict) -> Path:
     """The cache file for these prompts answered by this target with these settings."""
+    # Neither the number of prompts nor num_samples is in the key: prompts are answered in file
+    # order, so a run that wants more prompts extends the same file (resuming) instead of starting over.
+    skip = ("cache_dir", "heldout", "seed", "num_samples")
     key = {"target": target_spec, "target_id": target_id, "source": source_fingerprint(data),
-           "data": {k: v for k, v in asdict(data).items() if k not in ("cache_dir", "heldout", "seed")},
-           "answers": asdict(answers), "prompts": prompts_needed(data, answers), "version": 1}
+           "data": {k: v for k, v in asdict(data).items() if k not in skip},
+           "answers": {k: v for k, v in asdict(answers).items() if k not in ("prompts", "batch_size")}, "version": 2}
     digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
     return cache_root(data) / "answers" / f"{digest}.jsonl"
 

@@ -6,9 +6,10 @@ state; both keep the final post-norm state, from which `teacher_draft_logits` co
 teacher's logits over the draft vocabulary only, and `teacher_in_vocab` checks in vocab blocks
 whether the teacher's full-vocab argmax lies inside the draft vocabulary.
 
-The offline cache (`drafttrain prepare`) stores exactly those tensors per record, in bf16, in
+The offline cache (`features.mode=offline`: computed before the first epoch where it is missing,
+or ahead of time by `drafttrain prepare`) stores exactly those tensors per record, in bf16, in
 safetensors shards of `shard_size` records, written atomically: a killed `prepare` resumes at
-the first missing shard. `FeatureCache` reads them back for training.
+the first missing shard. `FeatureCache` reads them back for training, memory-mapped.
 
 What it does not do: it does not store teacher logits (they are recomputed from the final
 hidden state, which is 1/400 of Gemma's vocab width), and it never materialises a full-vocab
@@ -180,6 +181,15 @@ def _atomic_write_text(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def complete_cache(folder: str | Path) -> bool:
+    """Whether `folder` holds a finished cache (its cache.json and every shard it names)."""
+    meta_path = Path(folder) / "cache.json"
+    if not meta_path.exists():
+        return False
+    meta = json.loads(meta_path.read_text())
+    return all((Path(folder) / shard_name(j)).exists() for j in range(meta["num_shards"]))
+
+
 class FeatureCache(torch.utils.data.Dataset):
     """Records of an offline cache: dicts with input_ids, loss_mask, aux, final (tensors)."""
 
@@ -197,19 +207,22 @@ class FeatureCache(torch.utils.data.Dataset):
                 f"feature cache {self.folder} is incomplete ({len(missing)} of {self.meta['num_shards']} shards "
                 f"missing); rerun `drafttrain prepare` to finish it"
             )
-        self._shard: tuple[int, dict] | None = None
+        self._open: dict[int, object] = {}
 
     def __len__(self) -> int:
         return self.meta["num_records"]
 
     def __getitem__(self, i: int) -> dict[str, Tensor]:
-        from safetensors.torch import load_file
+        from safetensors import safe_open
 
         j = i // self.meta["shard_size"]
-        if self._shard is None or self._shard[0] != j:
-            self._shard = (j, load_file(str(self.folder / shard_name(j))))
-        t = self._shard[1]
-        return {k: t[f"{i}.{k}"] for k in ("input_ids", "loss_mask", "aux", "final")}
+        if j not in self._open:  # memory-mapped: a shuffled epoch reads one record, not one shard, per item
+            self._open[j] = safe_open(str(self.folder / shard_name(j)), framework="pt")
+        f = self._open[j]
+        return {k: f.get_tensor(f"{i}.{k}") for k in ("input_ids", "loss_mask", "aux", "final")}
+
+    def __getstate__(self) -> dict:  # DataLoader workers open their own handles
+        return {**self.__dict__, "_open": {}}
 
 
 def collate_features(batch: list[dict[str, Tensor]], pad_token_id: int) -> dict[str, Tensor]:

@@ -42,8 +42,20 @@ def _shift(x: Tensor, k: int, fill=0) -> Tensor:
 
 
 def eagle3_loss(drafter, target, batch: dict[str, Tensor], feats: dict[str, Tensor], *, steps: int,
-                step_weight: float, mask_out_of_vocab: bool = True) -> tuple[Tensor, dict]:
-    """Returns (scalar loss, metrics with per-step acc / counts and run lengths)."""
+                step_weight: float, mask_out_of_vocab: bool = True, objective: str = "ce",
+                all_positions: bool = False, topk: int = 0, topk_weight: float = 1.0,
+                alignable_only: bool = False) -> tuple[Tensor, dict]:
+    """Returns (scalar loss, metrics with per-step acc / counts and run lengths).
+
+    `objective`: "ce" (soft cross-entropy), "tv" (total variation 1/2 |p - q|_1, which is exactly
+    the probability that speculative sampling rejects the draft) or "ce+tv". `topk` > 0 adds HASS's
+    top-K distillation term -sum_{i in topK(p)} p_i log q_i (weight `topk_weight`). `all_positions`
+    trains every real token instead of assistant tokens only. `alignable_only` (GRIFFIN) trains
+    step k only where steps 0..k-1 of the same chain agreed with the teacher's argmax: positions
+    decoding never reaches. Metrics always count assistant tokens, every chain.
+    """
+    if objective not in ("ce", "tv", "ce+tv"):
+        raise ValueError(f"unknown EAGLE-3 objective {objective!r} (ce, tv or ce+tv)")
     input_ids, attn, loss_mask = batch["input_ids"], batch["attention_mask"].bool(), batch["loss_mask"].bool()
     B, T = input_ids.shape
     raw = drafter.module if hasattr(drafter, "module") else drafter
@@ -61,19 +73,25 @@ def eagle3_loss(drafter, target, batch: dict[str, Tensor], feats: dict[str, Tens
     total = outs[0][0].new_zeros((), dtype=torch.float32)
     metrics: dict = {"acc": [], "count": [], "correct": []}
     alive = torch.ones(B, T, dtype=torch.bool, device=input_ids.device)
+    aligned = torch.ones(B, T, dtype=torch.bool, device=input_ids.device)  # chain agreed so far (any position)
     run_len = torch.zeros(B, T, dtype=torch.long, device=input_ids.device)
     first_valid = None
     for k, (logits, _) in enumerate(outs):
         # teacher at position t+1+k predicts token t+2+k
         valid = _shift(attn, 1 + k, False) & _shift(loss_mask, 2 + k, False) & _shift(in_vocab, 1 + k, False)
+        trained = (_shift(attn, 2 + k, False) & _shift(in_vocab, 1 + k, False)) if all_positions else valid
+        if alignable_only:
+            trained = trained & aligned
         p = _shift(t_probs, 1 + k, 0.0)
         logp = torch.log_softmax(logits.float(), dim=-1)
-        ce = -(p * logp).sum(-1)  # [B, T]
+        per_pos = _eagle3_terms(p, logp, objective, topk, topk_weight)
         n = valid.sum()
-        loss_k = (ce * valid).sum() / n.clamp(min=1)
+        loss_k = (per_pos * trained).sum() / trained.sum().clamp(min=1)
         total = total + (step_weight**k) * loss_k
         with torch.no_grad():
-            agree = (logits.argmax(-1) == _shift(t_top, 1 + k, -1)) & valid
+            hit = logits.argmax(-1) == _shift(t_top, 1 + k, -1)
+            aligned = aligned & hit
+            agree = hit & valid
             metrics["acc"].append(float(agree.sum() / n.clamp(min=1)))
             metrics["count"].append(int(n))
             metrics["correct"].append(int(agree.sum()))
@@ -85,6 +103,19 @@ def eagle3_loss(drafter, target, batch: dict[str, Tensor], feats: dict[str, Tens
     metrics["run_len_n"] = int(first_valid.sum()) if first_valid is not None else 0
     metrics["loss"] = float(total.detach())
     return total, metrics
+
+
+def _eagle3_terms(p: Tensor, logp: Tensor, objective: str, topk: int, topk_weight: float) -> Tensor:
+    """[B, T] per-position objective of one unroll step (teacher p, draft log-probs logp)."""
+    per_pos = logp.new_zeros(logp.shape[:2])
+    if objective in ("ce", "ce+tv"):
+        per_pos = per_pos - (p * logp).sum(-1)
+    if objective in ("tv", "ce+tv"):
+        per_pos = per_pos + 0.5 * (p - logp.exp()).abs().sum(-1)
+    if topk > 0:
+        top_p, top_i = p.topk(min(topk, p.shape[-1]), dim=-1)
+        per_pos = per_pos - topk_weight * (top_p * logp.gather(-1, top_i)).sum(-1)
+    return per_pos
 
 
 def eagle1_loss(drafter, target, batch: dict[str, Tensor], feats: dict[str, Tensor], *, feature_weight: float,

@@ -23,6 +23,11 @@ class DrafterSettings:
     mask_out_of_vocab: bool = field_(True, help="EAGLE-3: drop positions whose target argmax is outside the draft vocab (costs one full-vocab LM-head pass per token)")
     ttt_steps: int = field_(7, help="EAGLE-3 training-time-test unroll length")
     step_weight: float = field_(0.8, help="loss weight decay per unroll step (weight = step_weight**k)")
+    objective: str = field_("ce", help="EAGLE-3 per-step objective against the target over the draft vocab: soft cross-entropy, total variation (= the rejection probability of speculative sampling), or their sum", choices=("ce", "tv", "ce+tv"))
+    topk: int = field_(0, help="EAGLE-3: add HASS's top-K distillation term (-sum over the teacher's top K of p log q); 0 = off")
+    topk_weight: float = field_(1.0, help="EAGLE-3: weight of the top-K term")
+    alignable_only: bool = field_(False, help="EAGLE-3 (GRIFFIN): train unroll step k only where the drafter's steps before it agreed with the teacher, as in decoding")
+    positions: str = field_("assistant", help="EAGLE-3 training positions: assistant tokens only, or every token (the teacher is the target's distribution everywhere); held-out metrics always count assistant tokens", choices=("assistant", "all"))
     feature_weight: float = field_(1.0, help="EAGLE-1 SmoothL1 feature-regression weight")
     ce_weight: float = field_(0.1, help="EAGLE-1 cross-entropy weight")
     noise: float = field_(0.2, help="EAGLE-1 uniform noise half-width added to input features (0 = off)")
@@ -97,7 +102,7 @@ class TrainSettings:
 
 @dataclass
 class FeatureSettings:
-    mode: str = field_("online", help="online: target forward inside the loop; offline: read a `drafttrain prepare` cache", choices=("online", "offline"))
+    mode: str = field_("online", help="online: target forward inside the loop; offline: read the feature cache, computed once before training where it is missing (or by `drafttrain prepare`)", choices=("online", "offline"))
     cache_dir: str = field_("", help="offline feature cache folder (default: <output_dir>/features)")
     shard_size: int = field_(256, help="records per offline cache shard")
 

@@ -272,7 +272,7 @@ def _build_drafter(run: Run) -> None:
 def _records(run: Run):
     """(records, collate) of the training data: offline feature cache or tokenised records."""
     from drafttrain.data import collate
-    from drafttrain.features import FeatureCache, collate_features
+    from drafttrain.features import FeatureCache, collate_features, complete_cache, write_feature_cache
 
     cfg, pad = run.cfg, run.pad
     if cfg.features.mode != "offline":
@@ -280,14 +280,33 @@ def _records(run: Run):
     if not run.method.offline_features:
         raise TrainingError(f"method={cfg.method} runs the target with gradients, so it needs features.mode=online")
     cache_dir = Path(cfg.features.cache_dir or run.run_dir / "features")
+    if not complete_cache(cache_dir):  # computed once here (resumable shards), read every epoch after
+        acc = run.accelerator
+        log(acc, f"drafttrain: computing the target's features once for all epochs -> {cache_dir}")
+        write_feature_cache(run.target, run.train_ds, run.spec, cache_dir, shard_size=cfg.features.shard_size,
+                            rank=acc.process_index, world_size=acc.num_processes,
+                            progress=acc.is_main_process,
+                            meta={"target": cfg.target, "records": _records_fingerprint(run.train_ds)})
+        acc.wait_for_everyone()
     records = FeatureCache(cache_dir)
-    if len(records) != len(run.train_ds) or records.meta.get("aux_layer_ids") != run.spec.aux_layer_ids:
+    stale = records.meta.get("records", _records_fingerprint(run.train_ds)) != _records_fingerprint(run.train_ds)
+    if stale or len(records) != len(run.train_ds) or records.meta.get("aux_layer_ids") != run.spec.aux_layer_ids:
         raise TrainingError(
             f"feature cache {cache_dir} does not match this config ({len(records)} records, aux "
             f"{records.meta.get('aux_layer_ids')} vs {len(run.train_ds)} records, aux {run.spec.aux_layer_ids}); "
-            f"rerun `drafttrain prepare` with the same settings"
+            f"delete it or set features.cache_dir to another folder"
         )
     return records, lambda b: collate_features(b, pad)
+
+
+def _records_fingerprint(ds) -> str:
+    """A hash of the tokenised training records (their token ids, in order)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for ids in ds["input_ids"]:
+        h.update(torch.tensor(ids, dtype=torch.int64).numpy().tobytes())
+    return h.hexdigest()[:16]
 
 
 def _loaders_and_optimizer(run: Run) -> None:

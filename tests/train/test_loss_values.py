@@ -163,35 +163,54 @@ def run_lengths(agree: dict[tuple[int, int, int], bool], starts: list[tuple[int,
     return runs
 
 
-def eagle3_reference(full: Tensor, logits: list[Tensor], step_weight: float, mask_oov: bool) -> tuple[Tensor, dict]:
-    """Soft CE of step k at position t against the teacher at t+1+k (draft-vocab softmax), which
-    predicts x_{t+2+k}; counted when x_{t+2+k} is a real assistant token and (mask_oov) the
-    teacher's full-vocab argmax is a draft token; loss = sum_k step_weight**k * mean_k."""
+def eagle3_reference(full: Tensor, logits: list[Tensor], step_weight: float, mask_oov: bool, objective: str = "ce",
+                     all_positions: bool = False, topk: int = 0, alignable_only: bool = False) -> tuple[Tensor, dict]:
+    """Soft CE (or total variation 1/2 sum |p - q|, or both) of step k at position t against the
+    teacher at t+1+k (draft-vocab softmax), which predicts x_{t+2+k}; counted when x_{t+2+k} is a
+    real assistant token (any real token for the loss with all_positions) and (mask_oov) the
+    teacher's full-vocab argmax is a draft token; loss = sum_k step_weight**k * mean_k. `topk` adds
+    -sum over the teacher's top-k of p log q; `alignable_only` drops step k at base t unless every
+    earlier step at t picked the teacher's argmax. Metrics count assistant tokens only."""
+
+    def hit(k: int, b: int, t: int) -> bool:
+        return t + 1 + k < T and int(logits[k][b, t].argmax()) == int(full[b, t + 1 + k, DRAFT_IDS].argmax())
+
     total = torch.zeros((), dtype=torch.float64)
     agree: dict[tuple[int, int, int], bool] = {}
-    out: dict = {"acc": [], "count": [], "correct": [], "dropped_oov": 0}
+    out: dict = {"acc": [], "count": [], "correct": [], "dropped_oov": 0, "trained": []}
     starts = []
     for k, lg in enumerate(logits):
-        ce_sum, n, c = 0.0, 0, 0
+        loss_sum, n_loss, n, c = 0.0, 0, 0, 0
         for b in range(B):
             for t in range(T):
                 src, j = t + 1 + k, t + 2 + k  # teacher position, predicted token position
-                if j >= T or not (ATTN[b][t] and ATTN[b][j] and LOSS_MASK[b][j]):
+                if j >= T or not (ATTN[b][t] and ATTN[b][j]) or not (LOSS_MASK[b][j] or all_positions):
                     continue
                 if mask_oov and int(full[b, src].argmax()) not in DRAFT_OF:
                     out["dropped_oov"] += 1
                     continue
                 p = torch.softmax(full[b, src, DRAFT_IDS], -1)
-                ce_sum = ce_sum - (p * log_probs(lg[b, t])).sum()
+                trains = not alignable_only or all(hit(i, b, t) for i in range(k))
+                if trains and topk:
+                    top = sorted(range(VD), key=lambda i: -float(p[i]))[:topk]
+                    loss_sum = loss_sum - sum(p[i] * log_probs(lg[b, t])[i] for i in top)
+                if trains and "ce" in objective:
+                    loss_sum = loss_sum - (p * log_probs(lg[b, t])).sum()
+                if trains and "tv" in objective:
+                    loss_sum = loss_sum + 0.5 * (p - log_probs(lg[b, t]).exp()).abs().sum()
+                n_loss += trains
+                if not LOSS_MASK[b][j]:
+                    continue
                 n += 1
                 agree[b, t, k] = int(lg[b, t].argmax()) == int(p.argmax())
                 c += agree[b, t, k]
                 if k == 0:
                     starts.append((b, t))
-        total = total + step_weight**k * ce_sum / max(n, 1)
+        total = total + step_weight**k * loss_sum / max(n_loss, 1)
         out["acc"].append(c / max(n, 1))
         out["count"].append(n)
         out["correct"].append(c)
+        out["trained"].append(n_loss)
     out["runs"] = run_lengths(agree, starts)
     return total, out
 
@@ -336,6 +355,51 @@ def test_eagle3_loss_matches_reference(step_weight: float, mask_oov: bool, softc
     assert call["input_ids"].shape == (B, T + STEPS + 1)
     assert torch.equal(call["input_ids"][:, :T], torch.tensor(INPUT_IDS))
     assert torch.equal(call["valid"], torch.tensor(ATTN, dtype=torch.bool))
+
+
+@pytest.mark.parametrize(("objective", "all_positions", "topk", "alignable"), [
+    ("tv", False, 0, False), ("ce+tv", False, 0, False), ("ce", True, 0, False), ("tv", True, 0, False),
+    ("ce", False, 3, False), ("ce", False, 0, True), ("ce+tv", True, 2, True)])
+def test_eagle3_objectives_and_positions_match_reference(objective: str, all_positions: bool, topk: int,
+                                                         alignable: bool) -> None:
+    """Total variation (the rejection probability of speculative sampling), CE + TV, HASS's top-K
+    term, GRIFFIN's alignable-only mask and training on every real token: value and gradient
+    against the reference; metrics still count assistant tokens on every chain."""
+    case = eagle3_case(None, seed=5 if alignable else 1)  # seed 5: chains break before step 1
+    loss, metrics = eagle3_loss(case.drafter, case.target, make_batch(), case.feats, steps=STEPS, step_weight=0.8,
+                                mask_out_of_vocab=True, objective=objective, all_positions=all_positions, topk=topk,
+                                alignable_only=alignable)
+    ref_logits = [lg.detach().double().requires_grad_() for lg in case.logits]
+    want, info = eagle3_reference(case.full, ref_logits, 0.8, True, objective, all_positions, topk, alignable)
+    if not alignable:
+        assert (sum(info["trained"]) > sum(info["count"])) == all_positions  # user-turn tokens join the loss
+    else:  # later steps lose the chains that broke; step 0 keeps all
+        _, every = eagle3_reference(case.full, ref_logits, 0.8, True, objective, all_positions, topk, False)
+        assert info["trained"][0] == every["trained"][0] and 0 < sum(info["trained"][1:]) < sum(every["trained"][1:])
+    close(loss, want)
+    loss.backward()
+    want.backward()
+    for got_lg, ref_lg in zip(case.logits, ref_logits):
+        close(got_lg.grad, ref_lg.grad)
+    assert_metrics(metrics, info)
+
+
+def test_eagle3_tv_is_the_rejection_probability() -> None:
+    """By hand: a drafter that puts all its mass on one draft token q = e_j has TV = 1 - p_j, the
+    probability that speculative sampling rejects its draft; a perfect copy of the teacher has 0."""
+    case = eagle3_case(None)
+    onehot = torch.full((B, T, VD), -1e4)
+    onehot[..., 2] = 0.0
+    drafter = StubEagle3([onehot.clone().requires_grad_() for _ in range(1)])
+    loss, _ = eagle3_loss(drafter, case.target, make_batch(), case.feats, steps=1, step_weight=1.0,
+                          mask_out_of_vocab=False, objective="tv")
+    want, n = 0.0, 0
+    for b in range(B):
+        for t in range(T - 2):
+            if ATTN[b][t] and ATTN[b][t + 2] and LOSS_MASK[b][t + 2]:
+                want += 1 - float(torch.softmax(case.full[b, t + 1, DRAFT_IDS], -1)[2])
+                n += 1
+    assert float(loss.detach()) == pytest.approx(want / n, rel=1e-5)
 
 
 def test_eagle3_metrics_match_reference() -> None:

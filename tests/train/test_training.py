@@ -97,6 +97,26 @@ def test_online_and_offline_features_give_the_same_loss(target_dirs, chat_file, 
     assert summary["steps"] == 2
 
 
+def test_offline_mode_computes_the_cache_once_and_trains_as_online(target_dirs, chat_file, tmp_path):
+    """features.mode=offline with no cache computes it before the first epoch; training from it
+    equals online training (bf16 target: cached features are bit-identical); a second run reads the
+    same cache, and a cache of other records is refused with the way out."""
+    common = ("dtype=bfloat16", "train.max_steps=3", "train.lr=3e-3", "seed=1")
+    train(cfg_for(target_dirs["llama"], chat_file, tmp_path / "online", *common))
+    offline = cfg_for(target_dirs["llama"], chat_file, tmp_path / "offline", *common, "features.mode=offline")
+    train(offline)
+    shards = sorted((tmp_path / "offline" / "features").glob("shard-*.safetensors"))
+    assert shards
+    on, off = weights(tmp_path / "online"), weights(tmp_path / "offline")
+    assert all(torch.equal(on[k], off[k]) for k in on)
+    stamps = [p.stat().st_mtime_ns for p in shards]
+    train(offline)  # reused, not recomputed
+    assert [p.stat().st_mtime_ns for p in shards] == stamps
+    with pytest.raises(Exception, match="does not match this config.*delete it"):
+        train(cfg_for(target_dirs["llama"], chat_file, tmp_path / "offline", *common, "features.mode=offline",
+                      "data.max_len=64"))
+
+
 def test_prepare_resumes_after_partial_run(target_dirs, chat_file, tmp_path):
     from drafttrain.features import shard_name
     from drafttrain.prepare import prepare
