@@ -10,7 +10,8 @@ EAGLE-1: one step; the drafter regresses the target's next post-norm feature (Sm
 scored by soft cross-entropy of the target LM head on its prediction against the LM head on the
 true feature; uniform noise on the input features.
 
-Metrics: `acc_k` = top-1 agreement with the teacher at step k; `run_len` per position = number of
+Metrics: `acc_k` = top-1 agreement with the teacher at step k; `accept_t1_k` = mean sum min(p, q),
+the probability that a draft sampled from the drafter at step k is accepted at T=1 (teacher-forced); `run_len` per position = number of
 consecutive steps from 0 that agree, from which the simulated (teacher-forced) greedy
 tau = 1 + mean(run_len) follows (bonus token included).
 
@@ -71,7 +72,7 @@ def eagle3_loss(drafter, target, batch: dict[str, Tensor], feats: dict[str, Tens
     ids_ext = torch.cat([input_ids, input_ids.new_zeros(B, steps + 1)], dim=1)
     outs = drafter(ids_ext, feats["aux"].to(raw.fc.weight.dtype), ttt_steps=steps, valid=attn)
     total = outs[0][0].new_zeros((), dtype=torch.float32)
-    metrics: dict = {"acc": [], "count": [], "correct": []}
+    metrics: dict = {"acc": [], "count": [], "correct": [], "overlap": []}
     alive = torch.ones(B, T, dtype=torch.bool, device=input_ids.device)
     aligned = torch.ones(B, T, dtype=torch.bool, device=input_ids.device)  # chain agreed so far (any position)
     run_len = torch.zeros(B, T, dtype=torch.long, device=input_ids.device)
@@ -95,6 +96,8 @@ def eagle3_loss(drafter, target, batch: dict[str, Tensor], feats: dict[str, Tens
             metrics["acc"].append(float(agree.sum() / n.clamp(min=1)))
             metrics["count"].append(int(n))
             metrics["correct"].append(int(agree.sum()))
+            # sum of min(p, q): the chance that a draft sampled from q is accepted at T=1 (1 - TV)
+            metrics["overlap"].append(float((torch.minimum(p, logp.exp()).sum(-1) * valid).sum()))
             if first_valid is None:
                 first_valid = valid
             alive = alive & agree

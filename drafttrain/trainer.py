@@ -68,6 +68,7 @@ class StepMetrics:
     tokens: int = 0
     topk_correct: list[int] = field(default_factory=list)  # per-head top-k hits (Medusa)
     topk: int = 0
+    overlap: list[float] = field(default_factory=list)  # per-step sum of min(p, q) (EAGLE-3)
 
     def add(self, m: dict, tokens: int) -> None:
         self.loss_sum += m["loss"]
@@ -82,6 +83,8 @@ class StepMetrics:
             self.topk = m["topk"]
             self.topk_correct = [a + b for a, b in zip(self.topk_correct or [0] * len(m["topk_correct"]),
                                                       m["topk_correct"])]
+        if "overlap" in m:
+            self.overlap = [a + b for a, b in zip(self.overlap or [0.0] * len(m["overlap"]), m["overlap"])]
         self.run_len_sum += m["run_len_sum"]
         self.run_len_n += m["run_len_n"]
         self.tokens += tokens
@@ -95,6 +98,8 @@ class StepMetrics:
         for k, (c, n) in enumerate(zip(self.topk_correct, self.count)):  # per-head top-k
             out[f"{prefix}/head{k}_top1"] = self.correct[k] / max(n, 1)
             out[f"{prefix}/head{k}_top{self.topk}"] = c / max(n, 1)
+        for k, (o, n) in enumerate(zip(self.overlap, self.count)):  # sampled drafts' acceptance at T=1
+            out[f"{prefix}/accept_t1_{k}"] = o / max(n, 1)
         out[f"{prefix}/tau_sim"] = simulated_tau(self.run_len_sum, self.run_len_n)
         return out
 
@@ -604,6 +609,10 @@ def format_summary(summary: dict) -> str:
     if accs:
         per = get_method(summary["method"]).acc_label if "method" in summary else "per unroll step"
         lines.append("  held-out acc " + " ".join(f"{v:.3f}" for _, v in accs) + f"  ({per})")
+    t1 = [v for k, v in summary.items() if k.startswith("eval/accept_t1_")]
+    if t1:
+        lines.append("  held-out T=1 " + " ".join(f"{v:.3f}" for v in t1) + "  (chance a sampled draft is accepted, "
+                     "sum min(p, q), per unroll step)")
     if "eval/tau_sim" in summary:
         lines.append(f"  held-out simulated tau {summary['eval/tau_sim']:.3f}  (teacher-forced greedy chain, bonus included)")
     if "eval/decode_tau" in summary:

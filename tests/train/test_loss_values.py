@@ -177,10 +177,10 @@ def eagle3_reference(full: Tensor, logits: list[Tensor], step_weight: float, mas
 
     total = torch.zeros((), dtype=torch.float64)
     agree: dict[tuple[int, int, int], bool] = {}
-    out: dict = {"acc": [], "count": [], "correct": [], "dropped_oov": 0, "trained": []}
+    out: dict = {"acc": [], "count": [], "correct": [], "dropped_oov": 0, "trained": [], "overlap": []}
     starts = []
     for k, lg in enumerate(logits):
-        loss_sum, n_loss, n, c = 0.0, 0, 0, 0
+        loss_sum, n_loss, n, c, overlap = 0.0, 0, 0, 0, 0.0
         for b in range(B):
             for t in range(T):
                 src, j = t + 1 + k, t + 2 + k  # teacher position, predicted token position
@@ -202,6 +202,7 @@ def eagle3_reference(full: Tensor, logits: list[Tensor], step_weight: float, mas
                 if not LOSS_MASK[b][j]:
                     continue
                 n += 1
+                overlap += float(torch.minimum(p, log_probs(lg[b, t].detach()).exp()).sum())
                 agree[b, t, k] = int(lg[b, t].argmax()) == int(p.argmax())
                 c += agree[b, t, k]
                 if k == 0:
@@ -211,6 +212,7 @@ def eagle3_reference(full: Tensor, logits: list[Tensor], step_weight: float, mas
         out["count"].append(n)
         out["correct"].append(c)
         out["trained"].append(n_loss)
+        out["overlap"].append(overlap)
     out["runs"] = run_lengths(agree, starts)
     return total, out
 
@@ -306,6 +308,8 @@ def assert_metrics(got: dict, want: dict) -> None:
     assert got["count"] == want["count"]
     assert got["correct"] == want["correct"]
     assert got["acc"] == pytest.approx(want["acc"])
+    if "overlap" in want and "overlap" in got:  # EAGLE-3: sum min(p, q), the T=1 acceptance chance
+        assert got["overlap"] == pytest.approx(want["overlap"], rel=1e-5)
     assert (got["run_len_sum"], got["run_len_n"]) == (sum(want["runs"]), len(want["runs"]))
     tau = 1 + sum(want["runs"]) / len(want["runs"])
     assert simulated_tau(got["run_len_sum"], got["run_len_n"]) == pytest.approx(tau)
