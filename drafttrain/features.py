@@ -27,6 +27,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from drafttrain.errors import TrainingError
+
 
 @dataclass
 class FeatureSpec:
@@ -179,6 +181,39 @@ def _atomic_write_text(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
     tmp.write_text(text)
     os.replace(tmp, path)
+
+
+def training_feature_cache(target, train_ds, spec: FeatureSpec, cache_dir: Path, *, shard_size: int, rank: int,
+                           world_size: int, barrier, progress: bool, meta: dict) -> FeatureCache:
+    """The offline cache of `train_ds`'s features in `cache_dir`: computed now where it is missing
+    or unfinished (resumable shards; `barrier` waits for every process), read every epoch after.
+    A cache of other records or other aux layers is refused with the way out."""
+    fingerprint = records_fingerprint(train_ds)
+    if not complete_cache(cache_dir):
+        if progress:
+            print(f"drafttrain: computing the target's features once for all epochs -> {cache_dir}", flush=True)
+        write_feature_cache(target, train_ds, spec, cache_dir, shard_size=shard_size, rank=rank,
+                            world_size=world_size, progress=progress, meta={**meta, "records": fingerprint})
+        barrier()
+    records = FeatureCache(cache_dir)
+    stale = records.meta.get("records", fingerprint) != fingerprint
+    if stale or len(records) != len(train_ds) or records.meta.get("aux_layer_ids") != spec.aux_layer_ids:
+        raise TrainingError(
+            f"feature cache {cache_dir} does not match this config ({len(records)} records, aux "
+            f"{records.meta.get('aux_layer_ids')} vs {len(train_ds)} records, aux {spec.aux_layer_ids}); "
+            f"delete it or set features.cache_dir to another folder"
+        )
+    return records
+
+
+def records_fingerprint(ds) -> str:
+    """A hash of tokenised records (their token ids, in order)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for ids in ds["input_ids"]:
+        h.update(torch.tensor(ids, dtype=torch.int64).numpy().tobytes())
+    return h.hexdigest()[:16]
 
 
 def complete_cache(folder: str | Path) -> bool:

@@ -277,41 +277,18 @@ def _build_drafter(run: Run) -> None:
 def _records(run: Run):
     """(records, collate) of the training data: offline feature cache or tokenised records."""
     from drafttrain.data import collate
-    from drafttrain.features import FeatureCache, collate_features, complete_cache, write_feature_cache
+    from drafttrain.features import collate_features, training_feature_cache
 
     cfg, pad = run.cfg, run.pad
     if cfg.features.mode != "offline":
         return Records(run.train_ds), lambda b: collate(b, pad)
     if not run.method.offline_features:
         raise TrainingError(f"method={cfg.method} runs the target with gradients, so it needs features.mode=online")
-    cache_dir = Path(cfg.features.cache_dir or run.run_dir / "features")
-    if not complete_cache(cache_dir):  # computed once here (resumable shards), read every epoch after
-        acc = run.accelerator
-        log(acc, f"drafttrain: computing the target's features once for all epochs -> {cache_dir}")
-        write_feature_cache(run.target, run.train_ds, run.spec, cache_dir, shard_size=cfg.features.shard_size,
-                            rank=acc.process_index, world_size=acc.num_processes,
-                            progress=acc.is_main_process,
-                            meta={"target": cfg.target, "records": _records_fingerprint(run.train_ds)})
-        acc.wait_for_everyone()
-    records = FeatureCache(cache_dir)
-    stale = records.meta.get("records", _records_fingerprint(run.train_ds)) != _records_fingerprint(run.train_ds)
-    if stale or len(records) != len(run.train_ds) or records.meta.get("aux_layer_ids") != run.spec.aux_layer_ids:
-        raise TrainingError(
-            f"feature cache {cache_dir} does not match this config ({len(records)} records, aux "
-            f"{records.meta.get('aux_layer_ids')} vs {len(run.train_ds)} records, aux {run.spec.aux_layer_ids}); "
-            f"delete it or set features.cache_dir to another folder"
-        )
+    cache_dir, acc = Path(cfg.features.cache_dir or run.run_dir / "features"), run.accelerator
+    records = training_feature_cache(run.target, run.train_ds, run.spec, cache_dir, shard_size=cfg.features.shard_size,
+                                     rank=acc.process_index, world_size=acc.num_processes, barrier=acc.wait_for_everyone,
+                                     progress=acc.is_main_process, meta={"target": cfg.target})
     return records, lambda b: collate_features(b, pad)
-
-
-def _records_fingerprint(ds) -> str:
-    """A hash of the tokenised training records (their token ids, in order)."""
-    import hashlib
-
-    h = hashlib.sha256()
-    for ids in ds["input_ids"]:
-        h.update(torch.tensor(ids, dtype=torch.int64).numpy().tobytes())
-    return h.hexdigest()[:16]
 
 
 def _loaders_and_optimizer(run: Run) -> None:
@@ -609,10 +586,8 @@ def format_summary(summary: dict) -> str:
     if accs:
         per = get_method(summary["method"]).acc_label if "method" in summary else "per unroll step"
         lines.append("  held-out acc " + " ".join(f"{v:.3f}" for _, v in accs) + f"  ({per})")
-    t1 = [v for k, v in summary.items() if k.startswith("eval/accept_t1_")]
-    if t1:
-        lines.append("  held-out T=1 " + " ".join(f"{v:.3f}" for v in t1) + "  (chance a sampled draft is accepted, "
-                     "sum min(p, q), per unroll step)")
+    if t1 := [v for k, v in summary.items() if k.startswith("eval/accept_t1_")]:
+        lines.append("  held-out T=1 " + " ".join(f"{v:.3f}" for v in t1) + "  (sampled draft accepted: sum min(p, q))")
     if "eval/tau_sim" in summary:
         lines.append(f"  held-out simulated tau {summary['eval/tau_sim']:.3f}  (teacher-forced greedy chain, bonus included)")
     if "eval/decode_tau" in summary:
