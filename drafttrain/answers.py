@@ -34,9 +34,14 @@ class AnswersConfig:
     greedy_share: float = field_(0.5, help="target answers: share answered greedily (T=0); the rest at temperature")
     temperature: float = field_(1.0, help="target answers: sampling temperature of the sampled share")
     batch_size: int = field_(16, help="target answers: prompts answered together")
-    proposer: str = field_("ngram", help="target answers: drafter that speeds them up (a proposer spec; none = off)")
+    proposer: str = field_("ngram", help="target answers: drafter that speeds the greedy ones up (a proposer spec; none = off)")
+    sampled_proposer: str = field_("none", help="target answers: drafter for the sampled ones (none: at T=1 n-gram drafts are mostly rejected, and a batch pays to verify them)")
     prompts: int = field_(0, help="target answers: prompts to answer; 0 = enough for data.num_samples + data.heldout (all if num_samples=0)")
     seed: int = field_(0, help="target answers: sampling seed")
+
+
+# How many prompts and how fast they are answered (batch, lossless drafters) do not change the answers' law.
+_NOT_IN_KEY = ("prompts", "batch_size", "proposer", "sampled_proposer")
 
 
 def prompts_needed(data: DataConfig, answers: AnswersConfig) -> int:
@@ -56,7 +61,7 @@ def answers_path(data: DataConfig, answers: AnswersConfig, target_spec: str, tar
     skip = ("cache_dir", "heldout", "seed", "num_samples")
     key = {"target": target_spec, "target_id": target_id, "source": source_fingerprint(data),
            "data": {k: v for k, v in asdict(data).items() if k not in skip},
-           "answers": {k: v for k, v in asdict(answers).items() if k not in ("prompts", "batch_size")}, "version": 2}
+           "answers": {k: v for k, v in asdict(answers).items() if k not in _NOT_IN_KEY}, "version": 2}
     digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
     return cache_root(data) / "answers" / f"{digest}.jsonl"
 
@@ -76,6 +81,6 @@ def training_data(data: DataConfig, answers: AnswersConfig, target_spec: str, ta
     rcfg = RegenerateConfig(target=target_spec, data=data, out=str(out), num_prompts=prompts_needed(data, answers),
                             batch_size=answers.batch_size, max_new_tokens=answers.max_new_tokens,
                             temperature=answers.temperature, greedy_share=answers.greedy_share,
-                            seed=answers.seed, proposer=answers.proposer)
+                            seed=answers.seed, proposer=answers.proposer, sampled_proposer=answers.sampled_proposer)
     regenerate(rcfg, progress=progress, target=target, tokenizer=tokenizer)
     return replace(data, path=str(out), format="openai")

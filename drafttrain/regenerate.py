@@ -4,8 +4,9 @@ A drafter is asked at decode time to predict what the target writes, so the best
 is the target's own answers (a small base model answers unlike ShareGPT's assistants: it echoes
 and loops). Each usable conversation of `data.path` gives one prompt (its system turn(s) and
 first user turn, rendered with the same template as training); drafttrain's own batched
-speculative decoder answers them (`proposer`, n-gram by default: lossless, and several times
-faster on a target that repeats itself), a `greedy_share` of prompts at T=0 and the rest at
+speculative decoder answers them (`proposer` for the greedy share, n-gram by default: lossless,
+and several times faster on a target that repeats itself; `sampled_proposer`, none by default,
+for the rest), a `greedy_share` of prompts at T=0 and the rest at
 `temperature`, and every finished batch is appended to `out` as JSONL lines
 
     {"id": "<conversation key>", "temperature": T, "messages": [{"role": "user", ...}, {"role": "assistant", ...}]}
@@ -51,7 +52,8 @@ class RegenerateConfig:
     greedy_share: float = field_(0.0, help="share of prompts answered greedily (T=0), chosen by record id")
     top_p: float = field_(1.0, help="nucleus sampling mass (1 = off)")
     seed: int = field_(0, help="sampling seed (each record also mixes in its id)")
-    proposer: str = field_("ngram", help="drafter that speeds the answers up (any proposer spec; 'none' = plain)")
+    proposer: str = field_("ngram", help="drafter that speeds the greedy answers up (any proposer spec; 'none' = plain)")
+    sampled_proposer: str = field_("none", help="drafter for the sampled answers (none: at T=1 n-gram drafts are mostly rejected, and a batch pays to verify them)")
     skip_benchmarks: bool = field_(True, help="skip prompts that contain an MT-bench or HumanEval prompt")
 
 
@@ -151,7 +153,9 @@ def _answer_all(cfg: RegenerateConfig, target, tokenizer, todo: list, out: Path,
     from drafttrain.progress import keep_alive
 
     target.eval()
-    proposer = None if cfg.proposer in ("", "none") else load_proposer(cfg.proposer, target, tokenizer=tokenizer)
+    specs = {0.0: cfg.proposer, cfg.temperature: cfg.sampled_proposer} if cfg.temperature > 0 else {0.0: cfg.proposer}
+    proposers = {t: None if spec in ("", "none") else load_proposer(spec, target, tokenizer=tokenizer)
+                 for t, spec in specs.items()}
     eos = eos_ids(target, tokenizer)
     groups: dict[float, list] = {}
     for item in todo:
@@ -162,7 +166,7 @@ def _answer_all(cfg: RegenerateConfig, target, tokenizer, todo: list, out: Path,
         for temp, items in sorted(groups.items()):
             for lo in range(0, len(items), cfg.batch_size):
                 batch = items[lo: lo + cfg.batch_size]
-                for rec in answer_batch(cfg, target, tokenizer, proposer, batch, temp, eos):
+                for rec in answer_batch(cfg, target, tokenizer, proposers[temp], batch, temp, eos):
                     f.write(json.dumps(rec, ensure_ascii=False) + "\n")
                 f.flush()
                 os.fsync(f.fileno())  # a finished batch survives a kill
