@@ -8,7 +8,8 @@ target's features read from one shared offline cache (computed by the first row 
 and is scored on the same held-out records: top-1 agreement per unroll step, the chance that a
 sampled draft is accepted at T=1 (sum min(p, q)) and the teacher-forced greedy tau. Throughput
 rows (online features, fewer unroll steps) also report tokens/s. A row whose run folder already
-holds a summary.json is read, not rerun, so a killed ablation resumes. Prints a markdown table
+holds a summary.json is read, not rerun, so a killed ablation resumes; two ablate processes on
+the same --out share the rows (one waits for a row the other is training). Prints a markdown table
 and writes it to <out>/ablation.md. A benchmark, not a test: time it on an idle machine.
 """
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -38,8 +40,12 @@ METRICS = ("eval/acc_0", "eval/acc_1", "eval/acc_2", "eval/accept_t1_0", "eval/a
 def run_row(name: str, overrides: list[str], common: list[str], out: Path, steps: int) -> dict:
     run_dir = out / name
     summary = run_dir / "summary.json"
+    owner = out / f"{name}.pid"  # another ablate process training this row: wait for it
+    while not summary.exists() and owner.exists() and _alive(int(owner.read_text() or 0)):
+        time.sleep(10)
     if summary.exists():
         return json.loads(summary.read_text())
+    owner.write_text(str(os.getpid()))
     mode = [] if any(o.startswith("features.mode=") for o in overrides) else ["features.mode=offline"]
     cmd = [sys.executable, "-m", "drafttrain.cli", "train", "recipe=eagle", f"output_dir={run_dir}",
            f"train.max_steps={steps}", "train.max_minutes=0", "train.save_every=0", "train.decode_eval_final=false",
@@ -52,6 +58,14 @@ def run_row(name: str, overrides: list[str], common: list[str], out: Path, steps
         raise SystemExit(f"ablate: row {name} failed (exit {rc}); see {out / f'{name}.log'}")
     print(f"ablate: {name} done in {time.time() - t0:.0f} s", flush=True)
     return json.loads(summary.read_text())
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except (OSError, ValueError):
+        return False
+    return pid > 0
 
 
 def table(results: dict[str, dict], steps: int) -> str:

@@ -29,6 +29,7 @@ commands:
   regenerate target-written responses  (drafttrain regenerate data.path=chat.json out=regen.jsonl)
   recipes   list the shipped recipes
   export    drafter -> hf|vllm|sglang  (drafttrain export runs/eagle/drafter --format vllm --out out/vllm)
+  engine-check  serve an export with vLLM (drafttrain engine-check exports/vllm target=DIR)
   eval      measure drafters           (drafttrain eval proposers=ngram,early-exit:6 bench=mtbench)
   profile   cost model of the target   (drafttrain profile proposers=ngram,early-exit:6 batch_sizes=1,4,16)
 
@@ -154,6 +155,20 @@ def cmd_export(argv: list[str]) -> None:
     _export_command().cmd_export(argv)
 
 
+def cmd_engine_check(argv: list[str]) -> None:
+    from drafttrain.config import parse_args
+    from drafttrain.engines.check import EngineCheckConfig, engine_check, format_check
+
+    argv = [a if "=" in a or i else f"export={a}" for i, a in enumerate(argv)]  # EXPORT may come first, bare
+    print(format_check(engine_check(parse_args(argv, EngineCheckConfig))))
+
+
+def _engine_check_help() -> str:
+    from drafttrain.engines.check import help_text
+
+    return help_text()
+
+
 def cmd_regenerate(argv: list[str]) -> None:
     from drafttrain.regenerate import cmd_regenerate as run
 
@@ -167,8 +182,9 @@ def _regenerate_help() -> str:
 
 
 COMMANDS = {"train": cmd_train, "prepare": cmd_prepare, "recipes": cmd_recipes, "eval": cmd_eval,
-            "export": cmd_export, "regenerate": cmd_regenerate, "profile": cmd_profile}
+            "export": cmd_export, "regenerate": cmd_regenerate, "profile": cmd_profile, "engine-check": cmd_engine_check}
 HELP = {"train": _train_help, "eval": _eval_help, "regenerate": _regenerate_help, "profile": _profile_help,
+        "engine-check": _engine_check_help,
         "export": lambda: _export_command().HELP, "prepare": lambda: "usage: drafttrain prepare recipe=NAME [key=value ...]\n\n"
         "Computes the target features the recipe needs for every training record and writes them to\n"
         "features.cache_dir (default <output_dir>/features) in bf16 shards. Resumable: a killed run\n"

@@ -20,11 +20,13 @@ What is asserted, per drafter:
 
 Why 0.25: with equal weights and greedy verification, the two engines differ only (a) in float32
 rounding of the drafter and target (vLLM's CPU kernels vs PyTorch eager), which flips a draft only
-at a near-tie of its top two logits, and (b) at the end of a prompt, where vLLM counts the last
-step's drafts before the max-tokens cut. Over the ~70-110 drafts of the 4 x 48 tokens here, one
-flipped chain moves the mean by at most 3 / 70 = 0.04, so 0.25 allows about six flips while a
-broken export (wrong aux layers, a shifted vocabulary map, a wrong embed scale) drops acceptance
-by far more. Measured on this 2-core CPU: see the figures logged by each test (``-s``).
+at a near-tie of its top two logits, and (b) at the end of a prompt, where the engines may count
+the last step's drafts differently (measured: at most one draft per prompt, e.g. EAGLE-3 with 92 vs
+96 drafts and the same accepted counts per position). Over the ~90-110 drafts of the 4 x 48
+tokens here, one flipped chain moves the mean by at most 3 / 90 = 0.03 and the end effect by about
+0.04, so 0.25 leaves room for several flips, while a broken export (wrong aux layers, a shifted
+vocabulary map, a missing embed scale) drafts tokens the target rejects and moves the mean by far
+more. Measured agreement on this 2-core CPU is within 0.05 (the figures are logged with ``-s``).
 
 Also here: an engine refusal (Gemma 3 targets have no EAGLE-3 interface in vLLM 0.32) is one
 EngineError line that quotes vLLM's reason; and two strict xfails pin exports that vLLM 0.32
@@ -78,10 +80,10 @@ COMMON = ["dtype=float32", "train.mixed_precision=no", "data.heldout=4", "data.m
           "train.log_every=50", "train.save_every=0", "train.decode_eval_final=false", "threads=1",
           "train.batch_size=8", "train.lr=3e-3"]
 DRAFTERS = {
-    "eagle3": ["method=eagle3", "train.max_steps=100", "drafter.ttt_steps=3", "drafter.draft_vocab_size=64"],
-    "eagle1": ["method=eagle1", "train.max_steps=100", "drafter.noise=0"],
+    "eagle3": ["method=eagle3", "train.max_steps=200", "drafter.ttt_steps=3", "drafter.draft_vocab_size=64"],
+    "eagle1": ["method=eagle1", "train.max_steps=200", "drafter.noise=0"],
     # Medusa heads over the full vocabulary: vLLM 0.32 refuses reduced-vocabulary heads (xfail below).
-    "medusa1": ["method=medusa1", "train.max_steps=200", "medusa.num_heads=3", "drafter.draft_vocab_size=0",
+    "medusa1": ["method=medusa1", "train.max_steps=300", "medusa.num_heads=3", "drafter.draft_vocab_size=0",
                 "medusa.tree_budget=6", "medusa.tree_max_rank=3"],
 }
 
@@ -109,7 +111,6 @@ def vllm_python(workdir) -> Path:
 
 def _train_target(root: Path) -> Path:
     """A tiny Llama that has learned PASSAGE (loss ~0.02 after 200 steps, ~20 s on one thread)."""
-
     tok = tiny_tokenizer(False)
     model = tiny_target("llama", vocab_size=len(tok), num_heads=2, num_kv_heads=1, num_layers=4)
     model.train().requires_grad_(True)
@@ -124,7 +125,7 @@ def _train_target(root: Path) -> Path:
         opt.zero_grad()
         loss.backward()
         opt.step()
-    assert float(loss.detach()) < 0.2, f"the tiny target did not learn the passage (loss {float(loss):.3f})"
+    assert loss.item() < 0.2, f"the tiny target did not learn the passage (loss {loss.item():.3f})"
     model.eval().requires_grad_(False)
     model.save_pretrained(root / "target")
     tok.save_pretrained(root / "target")
