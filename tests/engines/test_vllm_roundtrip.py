@@ -176,6 +176,19 @@ def _train_and_export(root: Path, target_dir: Path, name: str, overrides: list[s
     return run / "drafter", out
 
 
+@pytest.fixture(scope="module")
+def trained(world, workdir):
+    """method -> (drafter folder, export folder), each trained once per module, on first use."""
+    cache: dict[str, tuple[Path, Path]] = {}
+
+    def get(method: str) -> tuple[Path, Path]:
+        if method not in cache:
+            cache[method] = _train_and_export(workdir, world[0], method, DRAFTERS[method])
+        return cache[method]
+
+    return get
+
+
 def _drafttrain_acceptance(target, drafter: Path, prompts: list[list[int]]) -> tuple[float, list[list[int]], dict]:
     """drafttrain's decoder on the same prompts and chains: (1 + accepted / drafts, outputs, counts)."""
 
@@ -188,9 +201,9 @@ def _drafttrain_acceptance(target, drafter: Path, prompts: list[list[int]]) -> t
 
 
 @pytest.mark.parametrize("method", list(DRAFTERS))
-def test_vllm_serves_the_export_like_drafttrain(method, vllm_python, world, workdir):
+def test_vllm_serves_the_export_like_drafttrain(method, vllm_python, world, trained):
     target_dir, prompts, expected, target = world
-    drafter, export = _train_and_export(workdir, target_dir, method, DRAFTERS[method])
+    drafter, export = trained(method)
     ours, our_outputs, our_counts = _drafttrain_acceptance(target, drafter, prompts)
     assert our_outputs == expected, "drafttrain's decoder itself departs from the target's greedy output"
 
@@ -207,6 +220,18 @@ def test_vllm_serves_the_export_like_drafttrain(method, vllm_python, world, work
         assert got == want, f"prompt {i}: vLLM's greedy output with the {method} drafter differs from the target's"
     assert ours > MIN_ACCEPTANCE and theirs > MIN_ACCEPTANCE, (ours, theirs)
     assert abs(theirs - ours) <= TOLERANCE, f"{method}: vLLM {theirs:.3f} vs drafttrain {ours:.3f}"
+
+
+def test_engine_check_command(vllm_python, world, trained, capsys):
+    """`drafttrain engine-check EXPORT target=DIR drafter=DIR` prints both engines' acceptance."""
+    target_dir, _, _, _ = world
+    drafter, export = trained("eagle1")
+    rc = drafttrain_main(["engine-check", str(export), f"target={target_dir}", f"drafter={drafter}", "threads=1",
+                          "prompts=2", "max_new_tokens=16"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "EagleLlamaForCausalLM (eagle); greedy output equal to the target's on 2/2 prompts" in out
+    assert "vLLM        mean acceptance length" in out and "drafttrain  mean acceptance length" in out
 
 
 def test_engine_refusal_is_one_line_quoting_vllm(vllm_python, workdir):
