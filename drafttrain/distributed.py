@@ -121,6 +121,21 @@ def gathered_drafter(accelerator, drafter, target):
     return fresh.to(device=accelerator.device)
 
 
+def busy_cores_warning(threads: int) -> str:
+    """A one-line warning when other jobs already keep this machine's cores busy ("" if not):
+    torch's CPU threads wait for each other at every op, so `threads` threads on fewer free cores
+    run many times slower than fewer threads (2 threads on one free core: 25x slower here)."""
+    if not hasattr(os, "getloadavg") or threads <= 1:
+        return ""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    load = os.getloadavg()[0]
+    if cores - load >= threads - 0.5:
+        return ""
+    free = max(1, int(cores - load + 0.5))
+    return (f"drafttrain: warning: load average {load:.1f} on {cores} cores, and this run uses {threads} threads; "
+            f"threads wait for each other on shared cores: set threads={free} or run when the machine is idle")
+
+
 def cpu_threads(threads: int, device: torch.device) -> int:
     """Sets torch's CPU threads; returns the number set (0 = left alone, e.g. on GPUs).
 

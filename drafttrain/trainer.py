@@ -32,6 +32,7 @@ from drafttrain.config import dump_yaml, to_dict
 from drafttrain.distributed import (  # noqa: F401 (cpu_processes, cpu_threads: re-exported)
     StopFlag,
     agreed,
+    busy_cores_warning,
     cpu_processes,
     cpu_threads,
     full_replica,
@@ -279,13 +280,13 @@ def _records(run: Run):
     from drafttrain.data import collate
     from drafttrain.features import collate_features, training_feature_cache
 
-    cfg, pad = run.cfg, run.pad
+    cfg, pad, acc = run.cfg, run.pad, run.accelerator
     if cfg.features.mode != "offline":
         return Records(run.train_ds), lambda b: collate(b, pad)
     if not run.method.offline_features:
         raise TrainingError(f"method={cfg.method} runs the target with gradients, so it needs features.mode=online")
-    cache_dir, acc = Path(cfg.features.cache_dir or run.run_dir / "features"), run.accelerator
-    records = training_feature_cache(run.target, run.train_ds, run.spec, cache_dir, shard_size=cfg.features.shard_size,
+    records = training_feature_cache(run.target, run.train_ds, run.spec, Path(cfg.features.cache_dir or run.run_dir / "features"),
+                                     shard_size=cfg.features.shard_size,
                                      rank=acc.process_index, world_size=acc.num_processes, barrier=acc.wait_for_everyone,
                                      progress=acc.is_main_process, meta={"target": cfg.target})
     return records, lambda b: collate_features(b, pad)
@@ -338,7 +339,8 @@ def setup(cfg: TrainConfig) -> Run:
     set_seed(cfg.seed)
     threads = cpu_threads(cfg.threads, accelerator.device)
     if threads:
-        log(accelerator, f"drafttrain: {threads} CPU thread(s) per process")
+        busy = busy_cores_warning(threads * accelerator.num_processes)
+        log(accelerator, f"drafttrain: {threads} CPU thread(s) per process" + (f"\n{busy}" if busy else ""))
     run = Run(cfg, get_method(cfg.method), accelerator, _run_folder(cfg, accelerator), time.time())
     _load_target_and_data(run)
     _build_drafter(run)
