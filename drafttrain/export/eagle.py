@@ -26,7 +26,8 @@ Formats, each with the loader it was checked against:
   `eagle_aux_hidden_state_layer_ids`. Weights load through
   vllm/model_executor/models/llama_eagle3.py (`Eagle3LlamaForCausalLM`): same key names as SGLang
   (`midlayer.` -> `layers.0.`, `d2t` -> `draft_id_to_target_id`, `t2d` skipped, fc is 3 x
-  target_hidden_size wide). Aux ids: vllm/v1/worker/gpu_model_runner.py hands them to the target's
+  target_hidden_size wide; with a full draft vocabulary vLLM has no `draft_id_to_target_id` and
+  refuses one, so d2t / t2d are left out then). Aux ids: vllm/v1/worker/gpu_model_runner.py hands them to the target's
   `set_aux_hidden_state_layers`; vllm/model_executor/models/llama.py captures `hidden_states +
   residual` BEFORE layer idx, i.e. the output of layer idx - 1 = HF `hidden_states[idx]`: the
   same numbering as ours (vllm_id = our_id).
@@ -158,6 +159,15 @@ def _plan_speculators(meta: dict, sd: dict[str, Tensor], c: EagleConfig, fdt: to
     """EAGLE-3 in the speculators format vLLM reads (`vllm serve DIR` alone works; aux ids as ours)."""
     _need_three_aux(c, "vLLM")
     spec = _fused_engine_keys(c, fdt)
+    omitted = {}
+    if c.draft_vocab_size == c.vocab_size:  # vLLM has no draft_id_to_target_id then, and refuses one
+        if bool(sd["d2t"].ne(0).any()):
+            raise ExportError("this drafter's draft vocabulary is the full target vocabulary in another order; "
+                              "vLLM reads a full draft vocabulary as the identity: retrain with drafter.draft_vocab_size "
+                              "below the target's vocab size")
+        omitted = {k: "full draft vocabulary: the identity mapping, which vLLM assumes (it refuses a d2t then)"
+                   for k in ("d2t", "t2d")}
+        spec = {k: v for k, v in spec.items() if k not in omitted}
     tensors = {k: sd[k] for k in spec}
     layer = llama_layer_config(c, vocab_size=c.vocab_size, dtype=fdt)
     ids = vllm_aux_layer_ids(c.aux_layer_ids, int(meta.get("target", {}).get("num_hidden_layers", 0)))
@@ -185,7 +195,7 @@ def _plan_speculators(meta: dict, sd: dict[str, Tensor], c: EagleConfig, fdt: to
            "transformer_layer_config.hidden_size": c.hidden_size,
            "speculators_config.proposal_methods.0.speculative_tokens": speculative_tokens,
            "speculators_config.verifier.name_or_path": config["speculators_config"]["verifier"]["name_or_path"]}
-    return ExportPlan("vllm", meta["method"], tensors, {k: k for k in spec}, omitted={},
+    return ExportPlan("vllm", meta["method"], tensors, {k: k for k in spec}, omitted=omitted,
                       spec=spec, config=config, required_config=req, engine_aux=("vLLM", ids))
 
 

@@ -29,8 +29,9 @@ vocabulary map, a missing embed scale) drafts tokens the target rejects and move
 more. Measured agreement on this 2-core CPU is within 0.05 (the figures are logged with ``-s``).
 
 Also here: an engine refusal (Gemma 3 targets have no EAGLE-3 interface in vLLM 0.32) is one
-EngineError line that quotes vLLM's reason; and two strict xfails pin exports that vLLM 0.32
-refuses today (see each test).
+EngineError line that quotes vLLM's reason; a full-vocabulary EAGLE-3 export (d2t left out) loads;
+and a strict xfail pins what vLLM 0.32 cannot load: reduced-vocabulary Medusa heads (its loader
+slices them by token_map, then asserts the full vocabulary; both layouts were tried).
 
 Cost on a 2-core CPU: ~90 s to build the vLLM environment once on a fresh machine (cached under
 ``$DRAFTTRAIN_ENGINES_DIR``, default ~/.cache/drafttrain/engines), ~25 s per vLLM start. Marked
@@ -82,7 +83,7 @@ COMMON = ["dtype=float32", "train.mixed_precision=no", "data.heldout=4", "data.m
 DRAFTERS = {
     "eagle3": ["method=eagle3", "train.max_steps=200", "drafter.ttt_steps=3", "drafter.draft_vocab_size=64"],
     "eagle1": ["method=eagle1", "train.max_steps=200", "drafter.noise=0"],
-    # Medusa heads over the full vocabulary: vLLM 0.32 refuses reduced-vocabulary heads (xfail below).
+    # Medusa heads over the full vocabulary: vLLM 0.32 cannot load reduced-vocabulary heads (xfail below).
     "medusa1": ["method=medusa1", "train.max_steps=300", "medusa.num_heads=3", "drafter.draft_vocab_size=0",
                 "medusa.tree_budget=6", "medusa.tree_max_rank=3"],
 }
@@ -254,9 +255,9 @@ def test_engine_refusal_is_one_line_quoting_vllm(vllm_python, workdir):
     assert "does not support EAGLE3" in msg and "refused the eagle3 drafter" in msg
 
 
-@pytest.mark.xfail(strict=True, raises=EngineError, reason="the export writes d2t for a full draft vocabulary; vLLM 0.32's "
-                   "Eagle3LlamaForCausalLM has no draft_id_to_target_id when draft_vocab_size == vocab_size")
 def test_full_vocab_eagle3_export_loads(vllm_python, world, workdir):
+    """vLLM 0.32's Eagle3LlamaForCausalLM has no draft_id_to_target_id when draft_vocab_size ==
+    vocab_size and refuses one: the export leaves d2t / t2d out for a full draft vocabulary."""
     target_dir, prompts, _, _ = world
     _, export = _train_and_export(workdir, target_dir, "eagle3-fullvocab",
                                   ["method=eagle3", "train.max_steps=2", "drafter.draft_vocab_size=0"])
@@ -264,8 +265,9 @@ def test_full_vocab_eagle3_export_loads(vllm_python, world, workdir):
              threads=1)
 
 
-@pytest.mark.xfail(strict=True, raises=EngineError, reason="the export writes heads of the reduced vocabulary + token_map; vLLM "
-                   "0.32's Medusa wants full-vocabulary heads (it slices them by token_map itself)")
+@pytest.mark.xfail(strict=True, raises=EngineError, reason="vLLM 0.32's MedusaModel builds per-head LM heads over the full "
+                   "vocabulary, slices a checkpoint's heads by token_map when they are wider than it, then asserts the "
+                   "full width (vocab_parallel_embedding.py:515): neither [Vd, H] nor [V, H] heads load with a token_map")
 def test_reduced_vocab_medusa_export_loads(vllm_python, world, workdir):
     target_dir, prompts, _, _ = world
     _, export = _train_and_export(workdir, target_dir, "medusa1-reduced",
