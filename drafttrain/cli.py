@@ -87,7 +87,8 @@ def _train_help() -> str:
 def cmd_train(argv: list[str]) -> None:
     from drafttrain.config import dump_yaml, parse_args
     from drafttrain.schema import TrainConfig
-    from drafttrain.trainer import format_summary, train
+    from drafttrain.summary import format_summary
+    from drafttrain.trainer import train
 
     cfg = parse_args(argv, TrainConfig)
     if cfg.print_config:

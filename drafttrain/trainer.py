@@ -47,7 +47,7 @@ from drafttrain.schema import TrainConfig
 from drafttrain.vocab import token_counts  # noqa: F401 (re-exported)
 
 __all__ = ["train", "TrainingError", "loss_step", "build_drafter", "param_groups", "wrap_target_for_method",
-           "evaluate", "decode_eval", "format_summary", "latest_checkpoint"]
+           "evaluate", "decode_eval", "latest_checkpoint"]
 
 
 def log(accelerator, msg: str) -> None:
@@ -285,8 +285,8 @@ def _records(run: Run):
         return Records(run.train_ds), lambda b: collate(b, pad)
     if not run.method.offline_features:
         raise TrainingError(f"method={cfg.method} runs the target with gradients, so it needs features.mode=online")
-    records = training_feature_cache(run.target, run.train_ds, run.spec, Path(cfg.features.cache_dir or run.run_dir / "features"),
-                                     shard_size=cfg.features.shard_size,
+    folder = Path(cfg.features.cache_dir or run.run_dir / "features")
+    records = training_feature_cache(run.target, run.train_ds, run.spec, folder, shard_size=cfg.features.shard_size,
                                      rank=acc.process_index, world_size=acc.num_processes, barrier=acc.wait_for_everyone,
                                      progress=acc.is_main_process, meta={"target": cfg.target})
     return records, lambda b: collate_features(b, pad)
@@ -577,25 +577,3 @@ def train(cfg: TrainConfig) -> dict:
     if run_loop(run) == "stopped_at":
         return {"stopped_at": run.state["step"]}
     return finish(run)
-
-
-def format_summary(summary: dict) -> str:
-    lines = ["", "drafttrain: run finished", f"  drafter      {summary.get('drafter_dir')}"]
-    for k in ("steps", "train_tokens", "train_time_s", "wall_time_s", "train_tokens_per_s", "vocab_coverage"):
-        if k in summary:
-            lines.append(f"  {k:<12} {summary[k]}")
-    accs = [(k, v) for k, v in summary.items() if k.startswith("eval/acc_")]
-    if accs:
-        per = get_method(summary["method"]).acc_label if "method" in summary else "per unroll step"
-        lines.append("  held-out acc " + " ".join(f"{v:.3f}" for _, v in accs) + f"  ({per})")
-    if t1 := [v for k, v in summary.items() if k.startswith("eval/accept_t1_")]:
-        lines.append("  held-out T=1 " + " ".join(f"{v:.3f}" for v in t1) + "  (sampled draft accepted: sum min(p, q))")
-    if "eval/tau_sim" in summary:
-        lines.append(f"  held-out simulated tau {summary['eval/tau_sim']:.3f}  (teacher-forced greedy chain, bonus included)")
-    if "eval/decode_tau" in summary:
-        lines.append(f"  held-out decoding tau  {summary['eval/decode_tau']:.3f}  (real greedy decoding, bonus included; "
-                     f"{summary.get('eval/decode_tokens_per_s', 0):.1f} tok/s)")
-    if "best_decode_tau" in summary:
-        lines.append(f"  best decoding tau {summary['best_decode_tau']:.3f} at step {summary['best_decode_step']}: "
-                     f"{summary['best_drafter_dir']}")
-    return "\n".join(lines)

@@ -22,6 +22,7 @@ PACKAGES = {"drafttrain": "drafttrain", "decode": "drafttrain.decode", "eval": "
 # Literals that are an engine's or a file's vocabulary, not a branch on our method: each with why.
 ALLOWED_LITERALS = {
     ("drafttrain/export/eagle.py", "eagle3"): "vLLM's own `speculators_model_type` / speculative-config value",
+    ("drafttrain/engines/vllm.py", "eagle3"): "vLLM's own `speculators_model_type` / speculative-config method name",
 }
 
 
