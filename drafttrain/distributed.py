@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -121,6 +122,20 @@ def gathered_drafter(accelerator, drafter, target):
     return fresh.to(device=accelerator.device)
 
 
+def _others_running(samples: int = 3, gap: float = 0.1) -> int:
+    """Runnable tasks besides this one right now (fewest over a few looks; -1 where /proc is missing)."""
+    seen = []
+    for i in range(samples):
+        try:
+            with open("/proc/loadavg") as f:
+                seen.append(int(f.read().split()[3].split("/")[0]) - 1)
+        except (OSError, ValueError, IndexError):
+            return -1
+        if i + 1 < samples:
+            time.sleep(gap)
+    return min(seen)
+
+
 def busy_cores_warning(threads: int) -> str:
     """A one-line warning when other jobs already keep this machine's cores busy ("" if not):
     torch's CPU threads wait for each other at every op, so `threads` threads on fewer free cores
@@ -129,7 +144,7 @@ def busy_cores_warning(threads: int) -> str:
         return ""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     load = os.getloadavg()[0]
-    if cores - load >= threads - 0.5:
+    if cores - load >= threads - 0.5 or _others_running() == 0:  # the load average lags a finished job by minutes
         return ""
     free = max(1, int(cores - load + 0.5))
     return (f"drafttrain: warning: load average {load:.1f} on {cores} cores, and this run uses {threads} threads; "

@@ -25,11 +25,15 @@ __all__ = ["heartbeat", "keep_alive"]
 def keep_alive(bar, *, every: float = 1.0) -> Iterator[None]:
     """Redraws a tqdm ``bar`` every ``every`` seconds while the block runs, so its clock moves
     even while one item takes long (the first training step, an evaluation between steps).
+    Into a file or pipe (a log) it redraws every 30 s at most: each redraw stays in the log.
     tqdm's own lock serialises these redraws with the main thread's updates."""
     if getattr(bar, "disable", True):
         yield
         return
     done = threading.Event()
+    fp = getattr(bar, "fp", None)
+    if not (fp is not None and hasattr(fp, "isatty") and fp.isatty()):
+        every = max(every, 30.0)  # a log file keeps every redraw: one line per half minute, not per second
 
     def tick() -> None:
         while not done.wait(every):
