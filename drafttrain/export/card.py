@@ -19,6 +19,7 @@ list of such rows (`method` / `mean_accepted` / `dataset` accepted as aliases).
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 from drafttrain.errors import ExportError
@@ -26,6 +27,55 @@ from drafttrain.export.formats import method_of
 from drafttrain.export.security import scrub_text
 
 RESULTS_NAMES = ("results.json", "eval/results.json", "eval_results.json")
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+# Training prompt sources with a Hub dataset id (data.path=sharegpt is ShareGPT V3 from PyPI).
+DATA_HUB = {"sharegpt": "anon8231489123/ShareGPT_Vicuna_unfiltered"}
+ENGINE_TAG = {"vllm": "vllm", "sglang": "sglang", "hf": "transformers"}
+
+
+def is_hub_id(ref: str | None) -> bool:
+    """True for an `org/name` Hub model id that is not also a local path."""
+    return bool(ref) and bool(HUB_ID.match(ref)) and not Path(ref).exists()
+
+
+def base_model_facts(meta: dict, verifier: str | None = None) -> tuple[str | None, str | None]:
+    """(the target's Hub id, its license) as far as they are known offline; None where not.
+
+    Hub id: `--verifier` when it is one, the Hub model behind a packaged alias, or the spec of a
+    target loaded from the Hub. License: the alias's, or the `license` in a local target folder's
+    README.md front matter.
+    """
+    from drafttrain.targets import ALIAS_HUB
+
+    t = meta.get("target", {}) or {}
+    spec = str(t.get("spec", ""))
+    hub_id, license_ = ALIAS_HUB.get(spec, (None, None))
+    if is_hub_id(verifier):
+        hub_id = verifier
+    elif hub_id is None and (t.get("source") == "hub" or is_hub_id(spec)):
+        hub_id = spec
+    readme = Path(spec) / "README.md" if spec and not is_hub_id(spec) else None
+    if license_ is None and readme is not None and readme.is_file():
+        from huggingface_hub import metadata_load
+
+        try:
+            license_ = (metadata_load(readme) or {}).get("license")
+        except Exception:  # noqa: BLE001 - a card we cannot parse tells us nothing
+            license_ = None
+    return hub_id, license_
+
+
+def front_matter(meta: dict, fmt: str, verifier: str | None = None) -> str:
+    """The card's YAML header as the Hub reads it (written by huggingface_hub's ModelCardData)."""
+    from huggingface_hub import ModelCardData
+
+    hub_id, license_ = base_model_facts(meta, verifier)
+    data = ((meta.get("training") or {}).get("data") or {}).get("path")
+    method = meta.get("method", "drafter")
+    card = ModelCardData(license=license_, base_model=hub_id, pipeline_tag="text-generation", library_name="drafttrain",
+                         datasets=[DATA_HUB[data]] if data in DATA_HUB else None,
+                         tags=["speculative-decoding", method, ENGINE_TAG.get(fmt, fmt), "drafttrain"])
+    return f"---\n{card.to_yaml()}\n---\n"
 
 
 def find_results(drafter: str | Path, explicit: str | Path | None = None) -> Path | None:
@@ -120,7 +170,7 @@ def render_card(meta: dict, *, fmt: str, model_ref: str, verifier: str | None = 
     dr, ts, data = tr.get("drafter", {}) or {}, tr.get("train", {}) or {}, tr.get("data", {}) or {}
     metrics = meta.get("metrics", {}) or {}
     method = meta.get("method", "drafter")
-    base = verifier or t.get("spec", "")
+    base = verifier or base_model_facts(meta)[0] or t.get("spec", "")
     aux = meta.get("aux_layer_ids")
     aux_line = f"- aux layers: {aux} (HF `hidden_states` indices: 0 = embeddings, j = output of layer j-1)"
     if engine_aux:
@@ -149,12 +199,7 @@ def render_card(meta: dict, *, fmt: str, model_ref: str, verifier: str | None = 
                     + (f"Training held-out simulated τ (teacher-forced greedy chain, bonus included): {sim}.\n"
                        if sim is not None else "\n"))
     trust = bool(tr.get("trust_remote_code", False))
-    text = f"""---
-library_name: drafttrain
-base_model: {base}
-tags: [speculative-decoding, {method}, drafttrain]
----
-# {method.upper()} drafter for `{base}` ({fmt} format)
+    text = front_matter(meta, fmt, verifier) + f"""# {method.upper()} drafter for `{base}` ({fmt} format)
 
 - base model: `{base}` (revision `{t.get('revision') or 'not recorded'}`; {t.get('model_type', '')}, hidden {t.get('hidden_size')}, {t.get('num_hidden_layers')} layers, vocab {t.get('vocab_size')})
 - method: {method}; settings: {settings_txt}

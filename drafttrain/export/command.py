@@ -27,7 +27,8 @@ model card (README.md). Weights are read and written as safetensors only.
   --format sglang   EAGLE-3: LlamaForCausalLMEagle3 (no embedding; the target's is shared)
   --out DIR         folder to write (replaced atomically if it holds a previous export)
   --results PATH    a `drafttrain eval` results.json for the card (default: one next to DRAFTER)
-  --verifier ID     the target as engines should load it (HF id or path; default: the drafter's target)
+  --verifier ID     the target as engines should load it and the card's base_model names it (Hub id or
+                    path; default: the drafter's target; a Hub id is needed to push a local target's drafter)
   --push-to-hub ID  upload DIR to this Hub repo (token: HF_TOKEN or `hf auth login`)
   --private         create the repo private
   --revision R      upload to branch R (created if missing)
@@ -59,13 +60,17 @@ def export_drafter(drafter: str | Path, fmt: str, out: str | Path, *, results: s
                    verifier: str | None = None, repo_id: str | None = None, speculative_tokens: int = 3) -> dict:
     """Export `drafter` to `out` in `fmt`, load it back and check it; returns a summary dict."""
     # Imported here, not at the top: they load torch and transformers, which `--help` does not need.
-    from drafttrain.export.card import find_results, read_results, render_card
+    from drafttrain.export.card import base_model_facts, find_results, read_results, render_card
     from drafttrain.export.formats import plan_export, read_source, verify_export, write_export
 
     src, out = Path(drafter), Path(out)
     if out.resolve() == src.resolve():
         raise ExportError("--out must differ from the drafter folder")
     meta, sd = read_source(src)
+    if repo_id and base_model_facts(meta, verifier)[0] is None:
+        raise ExportError(f"a card pushed to the Hub names its base_model by Hub id, and the target "
+                          f"{meta.get('target', {}).get('spec')!r} is a local path: pass --verifier ORG/NAME "
+                          "(the target's Hub id); nothing was written or uploaded")
     try:
         plan = plan_export(meta, sd, fmt, verifier=verifier, speculative_tokens=speculative_tokens)
     except ValueError as e:  # invalid d2t/t2d or config from the drafter folder itself

@@ -81,12 +81,15 @@ class DraftLMExport:
         return []
 
     def serve_command(self, meta: dict, *, model_ref: str, verifier: str, fmt: str, trust_remote_code: bool) -> str:
-        """transformers' assisted generation, vLLM's and SGLang's draft-model launch lines."""
+        """The draft-model launch line of this folder's engine (transformers for the hf folder)."""
         trc = " --trust-remote-code" if trust_remote_code else ""
         v, m = shlex.quote(verifier), shlex.quote(model_ref)
-        spec = json.dumps({"model": model_ref, "num_speculative_tokens": 5})
+        if fmt == "vllm":
+            spec = json.dumps({"model": model_ref, "num_speculative_tokens": 5})
+            return f"vLLM (draft model):\n\n```bash\nvllm serve {v}{trc} --speculative-config {shlex.quote(spec)}\n```\n"
+        if fmt == "sglang":
+            return (f"SGLang:\n\n```bash\npython -m sglang.launch_server --model-path {v}{trc} --speculative-algorithm "
+                    f"STANDALONE --speculative-draft-model-path {m} --speculative-num-steps 4 --speculative-eagle-topk 1 "
+                    "--speculative-num-draft-tokens 5\n```\n")
         return (f"transformers: `target.generate(**inputs, assistant_model=AutoModelForCausalLM.from_pretrained("
-                f"{model_ref!r}))`\n\nvLLM (draft model):\n\n```bash\nvllm serve {v}{trc} --speculative-config "
-                f"{shlex.quote(spec)}\n```\n\nSGLang:\n\n```bash\npython -m sglang.launch_server --model-path {v}{trc} "
-                f"--speculative-algorithm STANDALONE --speculative-draft-model-path {m} --speculative-num-steps 4 "
-                "--speculative-eagle-topk 1 --speculative-num-draft-tokens 5\n```\n")
+                f"{model_ref!r}))`\n")

@@ -61,6 +61,7 @@ from drafttrain.export.layout import (
     check_format,
     llama_layer_config,
     meta_key_spec,
+    native_decode_note,
     read_native_source,
     sglang_aux_layer_ids,
     verifier_block,
@@ -231,29 +232,38 @@ def _plan_eagle_llama(meta: dict, sd: dict[str, Tensor], c: EagleConfig, fdt: to
 
 
 # ---- serve commands (for the model card) --------------------------------------------------------
-def _serve_fused(model_ref: str, verifier: str, fmt: str, trc: str) -> str:
-    """vLLM (speculators) and SGLang (EAGLE3) launch lines."""
+# Target families an engine refuses for the fused (EAGLE-3) layout, with the engine's reason as run.
+VLLM_REFUSES_FUSED = {
+    "gemma3_text": "Model does not support EAGLE3 interface but aux_hidden_state_outputs was requested",
+    "gemma3": "Model does not support EAGLE3 interface but aux_hidden_state_outputs was requested",
+}
+
+
+def _serve_fused(model_ref: str, verifier: str, fmt: str, trc: str, model_type: str) -> str:
+    """The launch line of the engine this folder's format is for (each engine numbers aux layers
+    its own way, so a folder serves only its own engine)."""
     v, m = shlex.quote(verifier), shlex.quote(model_ref)
-    spec = json.dumps({"method": _ENGINE_EAGLE3, "model": model_ref, "num_speculative_tokens": 3})
-    vllm = f"vllm serve {v}{trc} --speculative-config {shlex.quote(spec)}"
-    sglang = (f"python -m sglang.launch_server --model-path {v}{trc} --speculative-algorithm EAGLE3 "
-              f"--speculative-draft-model-path {m} --speculative-num-steps 3 --speculative-eagle-topk 4 "
-              "--speculative-num-draft-tokens 8")
-    # Each engine numbers aux layers differently (SGLang = vLLM - 1): a folder serves only its own engine.
     if fmt == "vllm":
-        vllm = f"# the speculators config names the verifier, so this alone works:\nvllm serve {m}{trc}\n# or explicitly:\n{vllm}"
-    else:
-        vllm = f"# export with `drafttrain export DRAFTER --format vllm --out DIR` first, then (model = DIR):\n{vllm}"
-    if fmt != "sglang":
-        sglang = f"# export with `drafttrain export DRAFTER --format sglang --out DIR` first, then (draft = DIR):\n{sglang}"
-    return f"vLLM:\n\n```bash\n{vllm}\n```\n\nSGLang:\n\n```bash\n{sglang}\n```\n"
+        if model_type in VLLM_REFUSES_FUSED:
+            return (f"vLLM: not served. vLLM 0.32 refuses EAGLE-3 drafters for {model_type} targets "
+                    f"(\"{VLLM_REFUSES_FUSED[model_type]}\"). {native_decode_note(model_ref, verifier)}")
+        spec = json.dumps({"method": _ENGINE_EAGLE3, "model": model_ref, "num_speculative_tokens": 3})
+        return (f"vLLM:\n\n```bash\n# the speculators config names the verifier, so this alone works:\n"
+                f"vllm serve {m}{trc}\n# or explicitly:\nvllm serve {v}{trc} --speculative-config {shlex.quote(spec)}\n```\n")
+    if fmt == "sglang":
+        return (f"SGLang:\n\n```bash\npython -m sglang.launch_server --model-path {v}{trc} --speculative-algorithm EAGLE3 "
+                f"--speculative-draft-model-path {m} --speculative-num-steps 3 --speculative-eagle-topk 4 "
+                "--speculative-num-draft-tokens 8\n```\n")
+    return native_decode_note(model_ref, verifier)
 
 
-def _serve_eagle_llama(model_ref: str, verifier: str, trc: str) -> str:
-    """vLLM's EAGLE (EagleLlamaForCausalLM) launch line."""
+def _serve_eagle_llama(model_ref: str, verifier: str, fmt: str, trc: str) -> str:
+    """vLLM's EAGLE (EagleLlamaForCausalLM) launch line, for the vllm folder only."""
+    if fmt != "vllm":
+        return native_decode_note(model_ref, verifier)
     spec = json.dumps({"method": "eagle", "model": model_ref, "num_speculative_tokens": 3})
-    return (f"vLLM (EAGLE-1 layout from `--format vllm`):\n\n```bash\nvllm serve {shlex.quote(verifier)}{trc} "
-            f"--speculative-config {shlex.quote(spec)}\n```\n\nSGLang: not exported for EAGLE-1 by drafttrain yet.\n")
+    return (f"vLLM (EAGLE-1 layout):\n\n```bash\nvllm serve {shlex.quote(verifier)}{trc} "
+            f"--speculative-config {shlex.quote(spec)}\n```\n")
 
 
 class EagleExport:
@@ -315,5 +325,5 @@ class EagleExport:
         """vLLM and SGLang launch lines for this drafter (`model_ref`: Hub repo id or folder)."""
         trc = " --trust-remote-code" if trust_remote_code else ""
         if self.fused_aux:
-            return _serve_fused(model_ref, verifier, fmt, trc)
-        return _serve_eagle_llama(model_ref, verifier, trc)
+            return _serve_fused(model_ref, verifier, fmt, trc, (meta.get("target") or {}).get("model_type", ""))
+        return _serve_eagle_llama(model_ref, verifier, fmt, trc)

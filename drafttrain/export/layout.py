@@ -95,6 +95,12 @@ class EngineLayout(Protocol):
         ...
 
 
+def native_decode_note(model_ref: str, verifier: str) -> str:
+    """What a card says where no engine serves its folder: drafttrain's own decoder does."""
+    return (f"drafttrain's decoder runs this folder (`drafttrain eval target={verifier} proposers={model_ref}`); "
+            "for an engine, export with `drafttrain export DRAFTER --format vllm|sglang` and use that folder's card.\n")
+
+
 def check_format(fmt: str) -> None:
     """Raise ExportError for a format name that is not one of `FORMATS`."""
     if fmt not in FORMATS:
@@ -157,8 +163,11 @@ def llama_layer_config(c, *, vocab_size: int, dtype: torch.dtype) -> dict:
 
 def verifier_block(meta: dict, verifier: str | None) -> dict:
     """The speculators config's `verifier`: the target as engines load it (+ its architecture)."""
+    from drafttrain.targets import ALIAS_HUB
+
     t = meta.get("target", {})
-    out = {"name_or_path": verifier or t.get("spec", "")}
+    spec = t.get("spec", "")
+    out = {"name_or_path": verifier or ALIAS_HUB.get(spec, (spec,))[0]}  # a packaged alias -> its Hub model
     arch = _ARCHITECTURES.get(t.get("model_type", ""))
     if arch:
         out["architectures"] = [arch]

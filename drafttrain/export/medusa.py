@@ -39,6 +39,7 @@ from drafttrain.export.layout import (
     KeySpec,
     check_format,
     meta_key_spec,
+    native_decode_note,
     read_native_source,
 )
 from drafttrain.export.security import scrub_obj
@@ -147,10 +148,18 @@ class MedusaExport:
 
     def serve_command(self, meta: dict, *, model_ref: str, verifier: str, fmt: str, trust_remote_code: bool) -> str:
         """vLLM's Medusa launch line (SGLang has none)."""
+        if fmt != "vllm":
+            return native_decode_note(model_ref, verifier)
+        dv = meta.get("draft_vocab_size") or (meta.get("drafter") or {}).get("draft_vocab_size")
+        tv = (meta.get("target") or {}).get("vocab_size")
+        if dv and tv and dv < tv:
+            return ("vLLM: not served. vLLM 0.32 cannot load Medusa heads over a reduced vocabulary (its loader slices "
+                    "them by token_map, then asserts the full width); train with drafter.draft_vocab_size=0 for vLLM. "
+                    + native_decode_note(model_ref, verifier))
         trc = " --trust-remote-code" if trust_remote_code else ""
         k = (meta.get("drafter") or {}).get("num_heads", 3)
         spec = json.dumps({"method": "medusa", "model": model_ref, "num_speculative_tokens": k})
         note = ("# Medusa-2: the verifier must be the ADAPTED target (<drafter>/merged_target, saved with\n"
                 "# medusa.save_merged=true); the heads were trained on it.\n" if self.adapter else "")
         return (f"vLLM (MedusaModel layout from `--format vllm`):\n\n```bash\n{note}vllm serve {shlex.quote(verifier)}"
-                f"{trc} --speculative-config {shlex.quote(spec)}\n```\n\nSGLang: no Medusa export.\n")
+                f"{trc} --speculative-config {shlex.quote(spec)}\n```\n")

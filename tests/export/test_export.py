@@ -140,13 +140,74 @@ def test_eagle1_vllm_export_folds_embed_scale_and_refuses_a_bias(eagle1_run, tmp
 
 def test_card_carries_the_eval_numbers(eagle3_run, tmp_path):
     res = write_results(tmp_path / "results.json", tau=2.71, speedup=1.83)
-    export_drafter(drafter_of(eagle3_run), "vllm", tmp_path / "v", results=res, repo_id="me/tiny-eagle3")
+    export_drafter(drafter_of(eagle3_run), "vllm", tmp_path / "v", results=res, repo_id="me/tiny-eagle3",
+                   verifier="me/tiny-llama")
     card = (tmp_path / "v" / "README.md").read_text()
     assert "| eagle3 | mtbench | 0.0 | 2.71 | 1.83× |" in card
     assert "test-cpu" in card and "max_new_tokens=64" in card
-    assert "vllm serve me/tiny-eagle3" in card and "sglang.launch_server" in card
+    assert "vllm serve me/tiny-eagle3" in card
     assert "[2, 4, 5]" in card and "in vLLM's numbering: [2, 4, 5]" in card
-    assert "draft vocab size: 120" in card and "base_model:" in card
+    assert "draft vocab size: 120" in card
+
+
+def test_card_front_matter_is_what_the_hub_parses(eagle3_run, tmp_path):
+    """license from the target folder's own card, base_model as a Hub id, pipeline_tag, tags."""
+    from huggingface_hub import ModelCard
+
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / "README.md").write_text("---\nlicense: apache-2.0\n---\n# a target\n")
+    drafter = tmp_path / "drafter"
+    shutil.copytree(drafter_of(eagle3_run), drafter)
+    meta = json.loads((drafter / "config.json").read_text())
+    meta["target"]["spec"] = str(target)
+    (drafter / "config.json").write_text(json.dumps(meta))
+    export_drafter(drafter, "vllm", tmp_path / "v", repo_id="me/tiny-eagle3", verifier="org/llama-base")
+    data = ModelCard.load(tmp_path / "v" / "README.md").data
+    assert data.license == "apache-2.0" and data.base_model == "org/llama-base"
+    assert data.pipeline_tag == "text-generation" and data.library_name == "drafttrain"
+    assert {"speculative-decoding", "eagle3", "vllm"} <= set(data.tags)
+
+
+def test_push_of_a_local_target_without_its_hub_id_is_refused(eagle3_run, tmp_path, capsys):
+    out = tmp_path / "up"
+    rc = main(["export", str(drafter_of(eagle3_run)), "--format", "vllm", "--out", str(out),
+               "--push-to-hub", "me/tiny-eagle3", "--dry-run"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc != 0 and not out.exists()
+    assert len(err) == 1 and "base_model" in err[0] and "--verifier ORG/NAME" in err[0]
+
+
+@pytest.mark.parametrize("fmt, shown, hidden", [
+    ("vllm", "vllm serve", "sglang.launch_server"),
+    ("sglang", "sglang.launch_server", "vllm serve"),
+    ("hf", "drafttrain eval", "vllm serve"),
+])
+def test_each_card_shows_only_its_own_engine(eagle3_run, tmp_path, fmt, shown, hidden):
+    export_drafter(drafter_of(eagle3_run), fmt, tmp_path / fmt)
+    card = (tmp_path / fmt / "README.md").read_text()
+    assert shown in card and hidden not in card
+    if fmt == "hf":
+        assert "sglang.launch_server" not in card
+
+
+def test_cards_give_no_serve_command_an_engine_refuses():
+    """vLLM 0.32 refuses EAGLE-3 for Gemma 3 targets and reduced-vocabulary Medusa heads: those
+    cards say so instead of printing a command that fails (tests/engines shows both refusals)."""
+    from drafttrain.export.card import render_card
+
+    gemma = {"method": "eagle3", "target": {"spec": "gemma-3-270m", "model_type": "gemma3_text", "vocab_size": 262144},
+             "draft_vocab_size": 8192, "aux_layer_ids": [2, 9, 15]}
+    card = render_card(gemma, fmt="vllm", model_ref="out")
+    assert "vllm serve" not in card and "refuses EAGLE-3" in card
+    assert "base_model: google/gemma-3-270m" in card and "license: gemma" in card
+    llama = {**gemma, "target": {**gemma["target"], "spec": "org/llama", "model_type": "llama"}}
+    assert "vllm serve out" in render_card(llama, fmt="vllm", model_ref="out")
+    medusa = {"method": "medusa1", "target": {"spec": "org/llama", "model_type": "llama", "vocab_size": 1000},
+              "drafter": {"num_heads": 3}}
+    assert "vllm serve org/llama" in render_card({**medusa, "draft_vocab_size": 1000}, fmt="vllm", model_ref="out")
+    reduced = render_card({**medusa, "draft_vocab_size": 100}, fmt="vllm", model_ref="out")
+    assert "vllm serve" not in reduced and "reduced vocabulary" in reduced
 
 
 def _fake_hub(monkeypatch) -> list:
@@ -172,7 +233,7 @@ def test_push_to_hub_sends_exactly_the_export(eagle3_run, tmp_path, monkeypatch,
     res = write_results(tmp_path / "results.json")
     out = tmp_path / "up"
     base = ["export", str(drafter_of(eagle3_run)), "--format", "vllm", "--out", str(out),
-            "--push-to-hub", "me/tiny-eagle3", "--results", str(res)]
+            "--push-to-hub", "me/tiny-eagle3", "--results", str(res), "--verifier", "me/tiny-llama"]
 
     assert main([*base, "--dry-run"]) == 0
     assert calls == [] and "dry run" in capsys.readouterr().out
@@ -199,7 +260,7 @@ def test_push_without_token_or_network_is_one_line_and_uploads_nothing(eagle3_ru
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setattr(huggingface_hub, "get_token", lambda: None)
     args = ["export", str(drafter_of(eagle3_run)), "--format", "sglang", "--out", str(tmp_path / "o"),
-            "--push-to-hub", "me/x"]
+            "--push-to-hub", "me/x", "--verifier", "me/tiny-llama"]
     assert main(args) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "no Hugging Face token" in err[0] and calls == []
