@@ -239,6 +239,13 @@ VLLM_REFUSES_FUSED = {
 }
 
 
+# Target families whose SGLang model captures other aux states than HF `hidden_states` (read in its source).
+_SGLANG_GEMMA3 = ("Its Gemma 3 model, as read in source, captures the MLP branch without the residual stream as "
+                  "the aux hidden state (since sglang PR #32383; fix proposed in PR #39286), not the HF "
+                  "`hidden_states` this drafter was trained on, so acceptance collapses.")
+SGLANG_WRONG_FUSED = {"gemma3_text": _SGLANG_GEMMA3, "gemma3": _SGLANG_GEMMA3}
+
+
 def _serve_fused(model_ref: str, verifier: str, fmt: str, trc: str, model_type: str) -> str:
     """The launch line of the engine this folder's format is for (each engine numbers aux layers
     its own way, so a folder serves only its own engine)."""
@@ -251,6 +258,9 @@ def _serve_fused(model_ref: str, verifier: str, fmt: str, trc: str, model_type: 
         return (f"vLLM:\n\n```bash\n# the speculators config names the verifier, so this alone works:\n"
                 f"vllm serve {m}{trc}\n# or explicitly:\nvllm serve {v}{trc} --speculative-config {shlex.quote(spec)}\n```\n")
     if fmt == "sglang":
+        if model_type in SGLANG_WRONG_FUSED:
+            return (f"SGLang: not recommended for {model_type} targets. {SGLANG_WRONG_FUSED[model_type]} "
+                    + native_decode_note(model_ref, verifier))
         return (f"SGLang:\n\n```bash\npython -m sglang.launch_server --model-path {v}{trc} --speculative-algorithm EAGLE3 "
                 f"--speculative-draft-model-path {m} --speculative-num-steps 3 --speculative-eagle-topk 4 "
                 "--speculative-num-draft-tokens 8\n```\n")

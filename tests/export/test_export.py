@@ -201,6 +201,8 @@ def test_cards_give_no_serve_command_an_engine_refuses():
     card = render_card(gemma, fmt="vllm", model_ref="out")
     assert "vllm serve" not in card and "refuses EAGLE-3" in card
     assert "base_model: google/gemma-3-270m" in card and "license: gemma" in card
+    sglang = render_card(gemma, fmt="sglang", model_ref="out")
+    assert "sglang.launch_server" not in sglang and "MLP branch" in sglang
     llama = {**gemma, "target": {**gemma["target"], "spec": "org/llama", "model_type": "llama"}}
     assert "vllm serve out" in render_card(llama, fmt="vllm", model_ref="out")
     medusa = {"method": "medusa1", "target": {"spec": "org/llama", "model_type": "llama", "vocab_size": 1000},
