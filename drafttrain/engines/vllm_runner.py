@@ -36,11 +36,33 @@ The scheduler counts a draft's accepted tokens before a request's max_tokens cut
 (v1/core/sched/scheduler.py, ``make_spec_decoding_stats``), so the last step of each prompt may
 count drafts beyond ``max_new_tokens``.
 
-Deliberately not here: anything about drafttrain's formats; sampling (temperature is 0).
+A request with ``configs`` is an eval schedule instead (`drafttrain eval baselines=vllm,...`;
+``drafttrain.eval.vllm_baselines`` writes it): one ``LLM`` per config, built in turn in this one
+process, each warmed up with one short untimed generate and then timed on every run:
+
+    configs             [{name, speculative_config}], built in this order
+    runs                [{temperature, batch_size, prompts: [prompt indices]}]: each batch of
+                        ``batch_size`` prompts is one ``generate`` call, batches in turn
+    stop_token_ids      the ids a row stops at (EOS; the stop token is kept in the output);
+                        the model's generation_config is not read (``generation_config="vllm"``)
+    top_k, top_p, seed  sampling at temperature > 0; prompt i is seeded ``seed + i``
+    warmup              one untimed 4-token generate of the first prompt per config (default true)
+    enforce_eager       default true (no torch.compile: start-up in seconds, not minutes)
+                        (prefix caching is off: the same prompts are timed several times, and
+                        drafttrain's rows re-read every prompt too)
+    progress_file       a line is appended to it after every timed call
+
+    result: ok, vllm_version, configs {name: {startup_seconds, runs: [{temperature, batch_size,
+            calls: [{prompts, outputs, seconds}], spec: counters of this run or null}]}};
+            a failure names its config in ``config``
+
+Deliberately not here: anything about drafttrain's formats; sampling in the single-generate form
+(temperature is 0 there).
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sys
@@ -119,18 +141,104 @@ def run(req: dict) -> dict:
             "vllm_version": vllm.__version__, "draft_architectures": _draft_architectures(llm)}
 
 
+# ---- eval schedule ----------------------------------------------------------------------------
+def _counter_delta(before: dict | None, after: dict | None) -> dict | None:
+    """Spec-decode counters accumulated between two `_spec_counters` readings."""
+    if after is None:
+        return None
+    before = before or {}
+    out = {}
+    for key in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
+        out[key] = after[key] - before.get(key, 0)
+    prev = before.get("accepted_per_pos") or []
+    out["accepted_per_pos"] = [a - (prev[i] if i < len(prev) else 0) for i, a in enumerate(after["accepted_per_pos"])]
+    drafts = out["num_drafts"]
+    out["mean_acceptance_length"] = 1.0 + out["num_accepted_tokens"] / drafts if drafts else None
+    return out
+
+
+def _params(req: dict, temperature: float, prompt: int, max_tokens: int | None = None):
+    from vllm import SamplingParams
+
+    sampled = dict(temperature=temperature, top_k=int(req.get("top_k", 0)), top_p=float(req.get("top_p", 1.0)),
+                   seed=int(req.get("seed", 0)) + prompt) if temperature > 0 else dict(temperature=0.0)
+    return SamplingParams(max_tokens=int(max_tokens or req["max_new_tokens"]), ignore_eos=False,
+                          stop_token_ids=[int(t) for t in req.get("stop_token_ids", [])], min_tokens=0,
+                          detokenize=False, **sampled)
+
+
+def _build_llm(req: dict, config: dict):
+    from vllm import LLM
+
+    return LLM(model=req["model"], tokenizer=req["model"], skip_tokenizer_init=True, dtype=req.get("dtype", "float32"),
+               enforce_eager=bool(req.get("enforce_eager", True)), max_model_len=int(req.get("max_model_len", 512)),
+               max_num_seqs=max([r["batch_size"] for r in req["runs"]] + [1]),
+               kv_cache_memory_bytes=int(req.get("kv_cache_bytes", 256 << 20)),
+               speculative_config=config.get("speculative_config"), seed=int(req.get("seed", 0)),
+               generation_config="vllm",  # stop ids come from the request only, as in drafttrain's rows
+               enable_prefix_caching=False,  # every run re-reads its prompts, as drafttrain's rows do
+               disable_log_stats=False)
+
+
+def _timed_runs(llm, req: dict, prompts: list, spec: bool) -> list[dict]:
+    """Every run of the schedule on a built engine: one timed ``generate`` per batch."""
+    runs = []
+    for run in req["runs"]:
+        before = _spec_counters(llm) if spec else None
+        idx, b, calls = run["prompts"], int(run["batch_size"]), []
+        for i in range(0, len(idx), b):
+            batch = idx[i:i + b]
+            params = [_params(req, float(run["temperature"]), p) for p in batch]
+            t = time.perf_counter()
+            results = llm.generate([prompts[p] for p in batch], params, use_tqdm=False)
+            seconds = time.perf_counter() - t
+            calls.append({"prompts": batch, "outputs": [list(r.outputs[0].token_ids) for r in results],
+                          "seconds": seconds})
+            if req.get("progress_file"):
+                with open(req["progress_file"], "a") as f:
+                    f.write("1\n")
+        runs.append({**run, "calls": calls,
+                     "spec": _counter_delta(before, _spec_counters(llm)) if spec else None})
+    return runs
+
+
+def run_schedule(req: dict, where: dict) -> dict:
+    """Each config's engine built in turn, warmed up, then timed on every run; `where` names the
+    config being worked on (for the error)."""
+    import vllm
+    from vllm.inputs import TokensPrompt
+
+    prompts = [TokensPrompt(prompt_token_ids=[int(t) for t in p]) for p in req["prompts"]]
+    out: dict = {}
+    for config in req["configs"]:
+        where["config"] = config["name"]
+        t0 = time.perf_counter()
+        llm = _build_llm(req, config)
+        startup = time.perf_counter() - t0
+        if req.get("warmup", True):  # untimed: first-call allocations, lazy imports
+            llm.generate(prompts[:1], [_params(req, 0.0, 0, max_tokens=4)], use_tqdm=False)
+        spec = config.get("speculative_config") is not None
+        out[config["name"]] = {"startup_seconds": startup, "runs": _timed_runs(llm, req, prompts, spec)}
+        llm.llm_engine.engine_core.shutdown()  # the next config's engine gets the cores and memory
+        del llm
+        gc.collect()
+    where.pop("config", None)
+    return {"ok": True, "vllm_version": vllm.__version__, "configs": out}
+
+
 def main(argv: list[str]) -> int:
     if len(argv) != 3:
         print("usage: vllm_runner.py REQUEST.json RESULT.json", file=sys.stderr)
         return 2
     with open(argv[1]) as f:
         req = json.load(f)
+    where: dict = {}
     try:
-        result = run(req)
+        result = run_schedule(req, where) if "configs" in req else run(req)
     except Exception as e:  # the engine's refusal is the result: the caller quotes it
         msg = str(e).strip()
         result = {"ok": False, "error": (msg.splitlines() or [type(e).__name__])[0],
-                  "error_type": type(e).__name__, "traceback": traceback.format_exc()}
+                  "error_type": type(e).__name__, "traceback": traceback.format_exc(), **where}
     with open(argv[2], "w") as f:
         json.dump(result, f)
     sys.stdout.flush()

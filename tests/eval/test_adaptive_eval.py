@@ -148,7 +148,7 @@ def adaptive_report(model_dirs, tmp_path_factory):
 
 def test_adaptive_and_hybrid_methods_report_choices_and_stay_lossless(adaptive_report, model_dirs):
     _, res = adaptive_report
-    assert res["schema_version"] == 3
+    assert res["schema_version"] == 4
     run = res["runs"][0]
     hybrid = f"hybrid:ngram+{model_dirs['draft']}"
     assert set(run["methods"]) == {"target", "ngram", "adaptive:ngram", hybrid}

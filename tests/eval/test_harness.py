@@ -38,7 +38,7 @@ def report(model_dirs, tmp_path_factory):
 
 def test_report_schema(report):
     out, res = report
-    assert res["schema_version"] == 3 and "bonus token included" in res["tau_convention"]
+    assert res["schema_version"] == 4 and "bonus token included" in res["tau_convention"]
     assert res["benchmark"]["num_prompts"] == 3 and res["benchmark"]["categories"] == {"a": 2, "b": 1}
     assert [r["temperature"] for r in res["runs"]] == [0.0, 1.0]
     for run in res["runs"]:
@@ -132,7 +132,7 @@ def test_packaged_benchmarks_and_heldout(tmp_path):
     (["proposers=early-exit:x"], "needs an integer K"),
     (["bench=/nonexistent/prompts.jsonl"], "does not exist"),
     (["bench=mtbenhc"], "unknown benchmark"),
-    (["baselines=target,vllm"], "unknown baseline 'vllm'"),
+    (["baselines=target,vlm"], "unknown baseline 'vlm'"),
     (["temprature=1"], "did you mean"),
 ])
 def test_user_errors_are_one_line(model_dirs, prompt_file, tmp_path, capsys, args, message):
