@@ -34,7 +34,9 @@ and a strict xfail pins what vLLM 0.32 cannot load: reduced-vocabulary Medusa he
 slices them by token_map, then asserts the full vocabulary; both layouts were tried).
 
 Cost on a 2-core CPU: ~90 s to build the vLLM environment once on a fresh machine (cached under
-``$DRAFTTRAIN_ENGINES_DIR``, default ~/.cache/drafttrain/engines), ~25 s per vLLM start. Marked
+``$DRAFTTRAIN_ENGINES_DIR``, default ~/.cache/drafttrain/engines), ~25 s per vLLM call (run_vllm keeps
+the engine core in the runner's process: ~12 s importing vLLM, ~6 s building the engine; vLLM's
+default engine-core and worker processes took ~70 s per call). Marked
 ``slow``: ``python -m pytest -m slow tests/engines``. If the environment cannot be installed the
 tests FAIL with the install error; ``DRAFTTRAIN_SKIP_ENGINES=1`` skips them instead.
 """
@@ -61,6 +63,8 @@ from drafttrain.trainer import train
 
 pytestmark = [
     pytest.mark.slow,
+    pytest.mark.engine,
+    pytest.mark.xdist_group("vllm"),  # one worker runs every engine test: one environment build, no lock wait
     pytest.mark.skipif(os.environ.get("DRAFTTRAIN_SKIP_ENGINES") == "1",
                        reason="DRAFTTRAIN_SKIP_ENGINES=1: engine round trips skipped on request"),
 ]
