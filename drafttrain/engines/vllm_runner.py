@@ -137,7 +137,7 @@ def run(req: dict) -> dict:
     n = sum(len(o) for o in outputs)
     return {"ok": True, "outputs": outputs, "num_tokens": n, "seconds": seconds,
             "tokens_per_s": n / seconds if seconds > 0 else None, "startup_seconds": startup,
-            "spec": _spec_counters(llm) if req.get("speculative_config") else None,
+            "spec": _spec_counters(llm),  # None without speculation (also when a speculators folder is the model)
             "vllm_version": vllm.__version__, "draft_architectures": _draft_architectures(llm)}
 
 

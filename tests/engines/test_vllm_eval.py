@@ -37,7 +37,6 @@ from drafttrain.testing import tiny_target, tiny_tokenizer
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.engine,
-    pytest.mark.xdist_group("vllm"),  # one worker runs every engine test: one environment build, no lock wait
     pytest.mark.skipif(os.environ.get("DRAFTTRAIN_SKIP_ENGINES") == "1",
                        reason="DRAFTTRAIN_SKIP_ENGINES=1: engine tests skipped on request"),
 ]

@@ -64,7 +64,6 @@ from drafttrain.trainer import train
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.engine,
-    pytest.mark.xdist_group("vllm"),  # one worker runs every engine test: one environment build, no lock wait
     pytest.mark.skipif(os.environ.get("DRAFTTRAIN_SKIP_ENGINES") == "1",
                        reason="DRAFTTRAIN_SKIP_ENGINES=1: engine round trips skipped on request"),
 ]
@@ -225,6 +224,17 @@ def test_vllm_serves_the_export_like_drafttrain(method, vllm_python, world, trai
         assert got == want, f"prompt {i}: vLLM's greedy output with the {method} drafter differs from the target's"
     assert ours > MIN_ACCEPTANCE and theirs > MIN_ACCEPTANCE, (ours, theirs)
     assert abs(theirs - ours) <= TOLERANCE, f"{method}: vLLM {theirs:.3f} vs drafttrain {ours:.3f}"
+
+
+def test_vllm_serves_the_eagle3_folder_alone(vllm_python, world, trained):
+    """README's `vllm serve exports/llama-vllm`: the speculators config names the verifier, so the
+    export folder alone is the model; vLLM loads the target from it and speculates with EAGLE-3."""
+    _, prompts, expected, _ = world
+    _, export = trained("eagle3")
+    res = run_vllm(export, prompts[:2], max_new_tokens=NEW_TOKENS, threads=1)
+    assert res["draft_architectures"] == [EXPECTED_CLASS["eagle3"]]
+    assert res["outputs"] == expected[:2]
+    assert res["spec"] is not None and res["spec"]["mean_acceptance_length"] > MIN_ACCEPTANCE, res["spec"]
 
 
 def test_engine_check_command(vllm_python, world, trained, capsys):
