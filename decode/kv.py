@@ -148,12 +148,18 @@ class KVState:
         Lc, Lp = self.committed_len, self.pending_len
         B, m = keep.shape
         device = keep.device
-        idx = torch.cat([torch.arange(Lc, device=device).expand(B, Lc), Lc + keep.clamp(min=0)], 1)
+        # Every row keeping the first m pending entries in order (target-only steps, a chain's
+        # accepted prefix at batch 1) is a slice of the cache, not a gather of all of it.
+        prefix = m <= Lp and bool((keep == torch.arange(m, device=device)).all())
+        idx = None if prefix else torch.cat([torch.arange(Lc, device=device).expand(B, Lc), Lc + keep.clamp(min=0)], 1)
         for layer in self.cache.layers:
             if not getattr(layer, "is_initialized", False) or layer.keys.shape[-2] == 0:
                 continue
             if layer.keys.shape[-2] != Lc + Lp:
                 raise RuntimeError("cache layer length out of sync with KVState (roll back drafts first)")
+            if prefix:
+                layer.keys, layer.values = layer.keys[:, :, : Lc + m], layer.values[:, :, : Lc + m]
+                continue
             gather = idx[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[-1])
             layer.keys = layer.keys.gather(2, gather)
             layer.values = layer.values.gather(2, gather)

@@ -51,6 +51,7 @@ class EvalConfig:
     batch_size: int = field_(1, help="prompts per generate call in the main run")
     hf_lookup_tokens: int = field_(10, help="prompt_lookup_num_tokens for the hf_lookup baseline")
     vllm_eager: bool = field_(True, help="vllm baselines: enforce_eager (start-up in seconds); false = vLLM's default torch.compile path on CPU (minutes of start-up, not timed)")
+    vllm_in_process: bool = field_(False, help="vllm baselines: vLLM's engine core inside its runner process, one process per baseline (start-up ~3x shorter, no busy-polling engine-core and worker processes beside other work); false = vLLM's default processes, as `vllm serve` runs")
     vllm_timeout: int = field_(0, help="vllm baselines: seconds for the whole engine run, start-up included; 0 = no limit")
     sweeps: list[str] = field_(default_factory=list, help=f"comma list of {', '.join(SWEEPS)} (each reruns the benchmark)")
     sweep_gammas: list[int] = field_(default_factory=lambda: list(range(1, 9)), help="gamma values of the gamma sweep")

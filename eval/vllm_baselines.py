@@ -257,9 +257,19 @@ def run_vllm_baselines(cfg: EvalConfig, info: TargetInfo, target, prompts: list[
         bar.update(done - bar.n)
 
     try:
-        result = serve_vllm(request, what=f"the target {settings['model']}", threads=threads,
-                            timeout=cfg.vllm_timeout or None, on_progress=tick,
-                            preload=settings["ld_preload"])
+        if not cfg.vllm_in_process:
+            result = serve_vllm(request, what=f"the target {settings['model']}", threads=threads,
+                                timeout=cfg.vllm_timeout or None, on_progress=tick,
+                                preload=settings["ld_preload"])
+        else:  # one runner process per baseline: vLLM 0.32 builds only one in-process engine per process
+            result, done = {"configs": {}}, 0
+            for cfg_entry in request["configs"]:
+                one = serve_vllm({**request, "configs": [cfg_entry]}, what=f"the target {settings['model']}",
+                                 threads=threads, timeout=cfg.vllm_timeout or None,
+                                 on_progress=lambda n, base=done: tick(base + n),
+                                 preload=settings["ld_preload"], in_process=True)
+                done = bar.n
+                result = {**one, "configs": {**result["configs"], **one["configs"]}}
     finally:
         bar.close()
     return VllmRuns.from_result(result, settings, configs)

@@ -4,22 +4,25 @@
     python tests/run_suite.py --no-engines    # fast tier + mutation check (no vLLM environment)
 
 1. Fast tier: `pytest -n 2` (every test uses one torch thread, so two xdist workers keep both
-   cores busy), while vLLM's CPU environment is built beside it (`ensure_vllm_env`: pip, one core,
-   minutes on a fresh machine; cached, so later runs skip it).
-2. Engine tier: `pytest -m engine tests/engines`, vLLM serving drafttrain's exports, in one
-   process: on two workers it took as long (363 s vs 350 s), every vLLM call and training run
-   about 2-3x slower beside the other worker's.
-3. Mutation check: `tests/mutation_check.py`, two mutants at a time.
+   cores busy: 296 s vs 610 s on one worker, on the 2-core CPU).
+2. vLLM's CPU environment, built if it is not cached (`ensure_vllm_env`: pip, minutes on a fresh
+   machine).
+3. Engine tier and mutation check side by side: `pytest -m engine tests/engines` (vLLM serving
+   drafttrain's exports; one process, one thread: vLLM's engine core runs in-process, so no
+   engine-core or worker process busy-polls a core) beside `tests/mutation_check.py --no-baseline`
+   (two mutants at a time, one thread each). The mutation check's baseline (every selection on the
+   unmutated copy) is what phase 1 has just run and passed on the same files; the copy's own
+   import check still runs.
 
-Why phases and not one pytest run over everything: measured on the 2-core CPU, the fast tier and
-the engine tier in one `pytest -n 2` run took 994 s, while each alone took 296 s (fast, two
-workers) and 350 s + 212 s for the environment (engine, one worker). Where the overlap loses its
-time was not pinned down (vLLM's processes beside two-process DDP / DeepSpeed tests are the
-suspects); the pip build beside the fast tier costs it little.
+What was measured on the 2-core CPU before this layout: the environment's build beside the fast
+tier made that phase 620 s (296 s alone, the build 212 s alone); both pytest tiers in one
+`pytest -n 2` took 994 s, and the engine tier on two workers 363 s (350 s on one) while its eval
+test still ran vLLM's default engine-core and worker processes. Processes that poll (vLLM's
+multiprocess engine, DeepSpeed's two ranks: 20 s, 79 s and 151 s in three runs) slow whatever runs
+beside them far more than their own work.
 
 Each phase's wall time is printed; the first phase that fails stops the run with its exit code.
-The vLLM build's output goes to a log file whose path is printed (pip's own log is beside the
-environment, see drafttrain.engines.vllm). Not a pytest module (its name does not start with test_).
+Not a pytest module (its name does not start with test_).
 """
 
 from __future__ import annotations
@@ -28,24 +31,11 @@ import argparse
 import os
 import subprocess
 import sys
-import threading
+import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def _build_engine_env(log_path: Path, result: dict) -> None:
-    """Builds (or finds) the vLLM environment; any error is kept for the engine phase to report."""
-    from drafttrain.engines.vllm import ensure_vllm_env
-
-    t = time.monotonic()
-    with open(log_path, "w") as log:
-        try:
-            result["python"] = ensure_vllm_env(log=lambda line: (log.write(line + "\n"), log.flush()))
-        except Exception as e:  # EngineError and anything else: the engine tests fail with it again
-            result["error"] = f"{type(e).__name__}: {e}"
-    result["seconds"] = time.monotonic() - t
 
 
 def _phase(name: str, cmd: list[str], times: list[tuple[str, float, int]]) -> int:
@@ -54,6 +44,24 @@ def _phase(name: str, cmd: list[str], times: list[tuple[str, float, int]]) -> in
     rc = subprocess.run(cmd, cwd=ROOT).returncode
     times.append((name, time.monotonic() - t, rc))
     print(f"=== {name}: exit {rc} after {times[-1][1]:.0f} s", flush=True)
+    return rc
+
+
+def _side_by_side(phases: list[tuple[str, list[str]]], times: list[tuple[str, float, int]]) -> int:
+    """Runs the phases at once, each one's output in a file, printed whole when it ends (in turn)."""
+    t = time.monotonic()
+    procs = []
+    for name, cmd in phases:
+        out = tempfile.TemporaryFile("w+")
+        print(f"\n=== {name} (side by side): {' '.join(cmd)}", flush=True)
+        procs.append((name, subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT), out))
+    rc = 0
+    for name, proc, out in procs:
+        code = proc.wait()
+        times.append((name, time.monotonic() - t, code))
+        out.seek(0)
+        print(f"\n=== {name}: output\n{out.read()}=== {name}: exit {code} after {times[-1][1]:.0f} s", flush=True)
+        rc = rc or code
     return rc
 
 
@@ -68,22 +76,26 @@ def main(argv: list[str] | None = None) -> int:
     times: list[tuple[str, float, int]] = []
     t0 = time.monotonic()
 
-    build: dict = {}
-    builder = None
-    if engines:
-        log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"drafttrain-vllm-env-{os.getpid()}.log"
-        print(f"vLLM environment: building or reusing it in the background (progress: {log_path})", flush=True)
-        builder = threading.Thread(target=_build_engine_env, args=(log_path, build), daemon=True)
-        builder.start()
-
     rc = _phase("fast tier", [py, "-m", "pytest", *xdist, "--durations=10"], times)
     if rc == 0 and engines:
-        builder.join()
-        print(f"vLLM environment: {'ready' if 'python' in build else 'FAILED: ' + build.get('error', '?')} "
-              f"({build['seconds']:.0f} s, beside the fast tier)", flush=True)
-        rc = _phase("engine tier", [py, "-m", "pytest", "-m", "engine", "tests/engines", "--durations=10"], times)
-    if rc == 0:
-        rc = _phase("mutation check", [py, "tests/mutation_check.py", "--jobs", str(max(1, args.workers))], times)
+        t = time.monotonic()
+        print("\n=== vLLM environment: building it unless it is cached", flush=True)
+        try:
+            from drafttrain.engines.vllm import ensure_vllm_env
+
+            ensure_vllm_env(log=lambda line: print(line, flush=True))
+            times.append(("vLLM environment", time.monotonic() - t, 0))
+        except Exception as e:  # EngineError: one line naming pip's error; the engine tests would fail the same way
+            print(f"=== vLLM environment: FAILED: {e}", flush=True)
+            times.append(("vLLM environment", time.monotonic() - t, 1))
+            rc = 1
+        if rc == 0:
+            rc = _side_by_side([("engine tier", [py, "-m", "pytest", "-m", "engine", "tests/engines", "--durations=10"]),
+                                ("mutation check", [py, "tests/mutation_check.py", "--no-baseline", "--jobs",
+                                                    str(max(1, args.workers))])], times)
+    elif rc == 0:
+        rc = _phase("mutation check", [py, "tests/mutation_check.py", "--no-baseline", "--jobs",
+                                       str(max(1, args.workers))], times)
 
     print("\nsuite: " + ", ".join(f"{n} {s:.0f} s (exit {c})" for n, s, c in times)
           + f"; {time.monotonic() - t0:.0f} s in all")

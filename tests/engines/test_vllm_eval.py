@@ -84,7 +84,7 @@ def test_eval_with_vllm_baselines_matches_drafttrains_target(tmp_path, monkeypat
     bench.write_text("\n".join(json.dumps({"prompt": _prompt_text(s), "category": "cat"}) for s in STARTS))
     t_eval = time.perf_counter()
     rc = main(["eval", f"target={target}", "dtype=float32", "proposers=ngram", "baselines=target,vllm,vllm_ngram",
-               f"bench={bench}", f"max_new_tokens={NEW_TOKENS}", "batch_size=2", "threads=1",
+               f"bench={bench}", f"max_new_tokens={NEW_TOKENS}", "batch_size=2", "threads=1", "vllm_in_process=true",
                f"output_dir={tmp_path / 'out'}", "progress=false"])
     assert rc == 0
     res = json.loads((tmp_path / "out" / "results.json").read_text())
