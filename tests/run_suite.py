@@ -1,4 +1,4 @@
-"""The whole suite as CI runs it, in three timed phases sized for a 2-core CPU.
+"""The whole suite as CI runs it, in four timed phases sized for a 2-core CPU.
 
     python tests/run_suite.py                 # what .ci/run and README's test command run
     python tests/run_suite.py --no-engines    # fast tier + mutation check (no vLLM environment)
@@ -7,19 +7,20 @@
    cores busy: 296 s vs 610 s on one worker, on the 2-core CPU).
 2. vLLM's CPU environment, built if it is not cached (`ensure_vllm_env`: pip, minutes on a fresh
    machine).
-3. Engine tier and mutation check side by side: `pytest -m engine tests/engines` (vLLM serving
-   drafttrain's exports; one process, one thread: vLLM's engine core runs in-process, so no
-   engine-core or worker process busy-polls a core) beside `tests/mutation_check.py --no-baseline`
-   (two mutants at a time, one thread each). The mutation check's baseline (every selection on the
-   unmutated copy) is what phase 1 has just run and passed on the same files; the copy's own
-   import check still runs.
+3. Engine tier: `pytest -m engine tests/engines`, vLLM serving drafttrain's EAGLE-3, EAGLE-1 and
+   Medusa-1 exports (one process, one thread; vLLM's engine core in-process). The other engine
+   tests (refusal, engine-check CLI, eval baselines, reduced-Medusa xfail) are `slow` only:
+   `python -m pytest -m slow tests/engines`.
+4. Mutation check: `tests/mutation_check.py --no-baseline`, two mutants at a time. Its baseline
+   (every selection on the unmutated copy) is what phase 1 has just run and passed on the same
+   files; the copy's own import check still runs.
 
-What was measured on the 2-core CPU before this layout: the environment's build beside the fast
-tier made that phase 620 s (296 s alone, the build 212 s alone); both pytest tiers in one
-`pytest -n 2` took 994 s, and the engine tier on two workers 363 s (350 s on one) while its eval
-test still ran vLLM's default engine-core and worker processes. Processes that poll (vLLM's
-multiprocess engine, DeepSpeed's two ranks: 20 s, 79 s and 151 s in three runs) slow whatever runs
-beside them far more than their own work.
+Nothing overlaps, as measured on the 2-core CPU: the environment's build beside the fast tier made
+that phase 620 s (296 s alone, the build 212 s alone); both pytest tiers in one `pytest -n 2` took
+994 s; the engine tier on two workers 363 s (350 s on one); the engine tier beside the mutation
+check ran past 570 s (in turn: ~470 s, then ~250 s). Work that runs beside other work here slows down more
+than it gains. The DeepSpeed two-process test is the fast tier's tail on a fresh machine (79-150 s:
+DeepSpeed JIT-compiles its CPU shm_comm op into ~/.cache/torch_extensions; 20 s once cached).
 
 Each phase's wall time is printed; the first phase that fails stops the run with its exit code.
 Not a pytest module (its name does not start with test_).
@@ -31,7 +32,6 @@ import argparse
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -44,24 +44,6 @@ def _phase(name: str, cmd: list[str], times: list[tuple[str, float, int]]) -> in
     rc = subprocess.run(cmd, cwd=ROOT).returncode
     times.append((name, time.monotonic() - t, rc))
     print(f"=== {name}: exit {rc} after {times[-1][1]:.0f} s", flush=True)
-    return rc
-
-
-def _side_by_side(phases: list[tuple[str, list[str]]], times: list[tuple[str, float, int]]) -> int:
-    """Runs the phases at once, each one's output in a file, printed whole when it ends (in turn)."""
-    t = time.monotonic()
-    procs = []
-    for name, cmd in phases:
-        out = tempfile.TemporaryFile("w+")
-        print(f"\n=== {name} (side by side): {' '.join(cmd)}", flush=True)
-        procs.append((name, subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT), out))
-    rc = 0
-    for name, proc, out in procs:
-        code = proc.wait()
-        times.append((name, time.monotonic() - t, code))
-        out.seek(0)
-        print(f"\n=== {name}: output\n{out.read()}=== {name}: exit {code} after {times[-1][1]:.0f} s", flush=True)
-        rc = rc or code
     return rc
 
 
@@ -90,10 +72,8 @@ def main(argv: list[str] | None = None) -> int:
             times.append(("vLLM environment", time.monotonic() - t, 1))
             rc = 1
         if rc == 0:
-            rc = _side_by_side([("engine tier", [py, "-m", "pytest", "-m", "engine", "tests/engines", "--durations=10"]),
-                                ("mutation check", [py, "tests/mutation_check.py", "--no-baseline", "--jobs",
-                                                    str(max(1, args.workers))])], times)
-    elif rc == 0:
+            rc = _phase("engine tier", [py, "-m", "pytest", "-m", "engine", "tests/engines", "--durations=10"], times)
+    if rc == 0:
         rc = _phase("mutation check", [py, "tests/mutation_check.py", "--no-baseline", "--jobs",
                                        str(max(1, args.workers))], times)
 

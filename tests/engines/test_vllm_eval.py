@@ -36,7 +36,6 @@ from drafttrain.testing import tiny_target, tiny_tokenizer
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.engine,
     pytest.mark.skipif(os.environ.get("DRAFTTRAIN_SKIP_ENGINES") == "1",
                        reason="DRAFTTRAIN_SKIP_ENGINES=1: engine tests skipped on request"),
 ]
