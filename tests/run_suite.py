@@ -7,10 +7,11 @@
    cores busy: 296 s vs 610 s on one worker, on the 2-core CPU).
 2. vLLM's CPU environment, built if it is not cached (`ensure_vllm_env`: pip, minutes on a fresh
    machine).
-3. Engine tier: `pytest -m engine tests/engines`, vLLM serving drafttrain's EAGLE-3, EAGLE-1 and
-   Medusa-1 exports (one process, one thread; vLLM's engine core in-process). The other engine
-   tests (refusal, engine-check CLI, eval baselines, reduced-Medusa xfail) are `slow` only:
-   `python -m pytest -m slow tests/engines`.
+3. Engine tier: `pytest -m engine tests/engines`, vLLM serving drafttrain's EAGLE-3 and EAGLE-1
+   exports (one process, one thread; vLLM's engine core in-process). The other engine tests
+   (Medusa-1, an export folder served alone, the full-vocabulary export, a refusal, the
+   engine-check CLI, eval baselines, the reduced-Medusa xfail) are `slow` only:
+   `python -m pytest -m slow tests/engines` (~10 min).
 4. Mutation check: `tests/mutation_check.py --no-baseline`, two mutants at a time. Its baseline
    (every selection on the unmutated copy) is what phase 1 has just run and passed on the same
    files; the copy's own import check still runs.

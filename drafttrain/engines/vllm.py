@@ -135,11 +135,6 @@ def _torch_index() -> list[str]:
     return ["--index-url", url] if url else []
 
 
-# pip byte-compiles every installed module by default (torch, vLLM and transformers: thousands of
-# files); the engine imports a fraction of them, compiled once on first import instead.
-NO_COMPILE = ("--no-compile",)
-
-
 def _build(tmp: Path, final: Path, log: Callable[[str], None]) -> None:
     start = time.monotonic()
     log_file = final.parent / f"{final.name}.install.log"
@@ -149,8 +144,8 @@ def _build(tmp: Path, final: Path, log: Callable[[str], None]) -> None:
         ("creating the virtual environment", "python venv",
          [getattr(sys, "_base_executable", sys.executable), "-m", "venv", str(tmp)]),
         (f"installing {TORCH_PACKAGE} (CPU build)", TORCH_PACKAGE,
-         [str(_python(tmp)), "-m", "pip", "install", *NO_COMPILE, TORCH_PACKAGE, *_torch_index()]),
-        (f"installing {VLLM_PACKAGE}", VLLM_PACKAGE, [str(_python(tmp)), "-m", "pip", "install", *NO_COMPILE, VLLM_PACKAGE]),
+         [str(_python(tmp)), "-m", "pip", "install", TORCH_PACKAGE, *_torch_index()]),
+        (f"installing {VLLM_PACKAGE}", VLLM_PACKAGE, [str(_python(tmp)), "-m", "pip", "install", VLLM_PACKAGE]),
         (f"removing {', '.join(CUDA_EXTRAS)} (CUDA builds that break import vllm)", "pip uninstall",
          [str(_python(tmp)), "-m", "pip", "uninstall", "-y", *CUDA_EXTRAS]),
         ("checking `from vllm import LLM`", "import vllm",

@@ -67,9 +67,10 @@ pytestmark = [
                        reason="DRAFTTRAIN_SKIP_ENGINES=1: engine round trips skipped on request"),
 ]
 
-# The CI tier (`-m engine`, tests/run_suite.py) is the round trips and the two export checks; the
-# refusal, engine-check CLI and reduced-Medusa xfail run with `-m slow` (the suite's 25-minute
-# budget on the 2-core CPU has no room for them: ~75 s).
+# The CI tier (`-m engine`, tests/run_suite.py) is the EAGLE-3 and EAGLE-1 round trips; Medusa-1,
+# the folder-alone serve, the full-vocabulary export, the refusal, the engine-check CLI and the
+# reduced-Medusa xfail run with `-m slow` (on the 2-core CPU the suite's 25-minute budget has no
+# room for them: ~4 min more).
 IN_CI = pytest.mark.engine
 
 GAMMA = 3  # speculative tokens per step, in both engines
@@ -208,8 +209,7 @@ def _drafttrain_acceptance(target, drafter: Path, prompts: list[list[int]]) -> t
         "num_drafts": s.draft_counts[0], "accepted_per_pos": s.accept_counts, "tau": s.tau}
 
 
-@IN_CI
-@pytest.mark.parametrize("method", list(DRAFTERS))
+@pytest.mark.parametrize("method", [pytest.param(m, marks=IN_CI) if m in ("eagle3", "eagle1") else m for m in DRAFTERS])
 def test_vllm_serves_the_export_like_drafttrain(method, vllm_python, world, trained):
     target_dir, prompts, expected, target = world
     drafter, export = trained(method)
@@ -231,7 +231,6 @@ def test_vllm_serves_the_export_like_drafttrain(method, vllm_python, world, trai
     assert abs(theirs - ours) <= TOLERANCE, f"{method}: vLLM {theirs:.3f} vs drafttrain {ours:.3f}"
 
 
-@IN_CI
 def test_vllm_serves_the_eagle3_folder_alone(vllm_python, world, trained):
     """README's `vllm serve exports/llama-vllm`: the speculators config names the verifier, so the
     export folder alone is the model; vLLM loads the target from it and speculates with EAGLE-3."""
@@ -275,7 +274,6 @@ def test_engine_refusal_is_one_line_quoting_vllm(vllm_python, workdir):
     assert "does not support EAGLE3" in msg and "refused the eagle3 drafter" in msg
 
 
-@IN_CI
 def test_full_vocab_eagle3_export_loads(vllm_python, world, workdir):
     """vLLM 0.32's Eagle3LlamaForCausalLM has no draft_id_to_target_id when draft_vocab_size ==
     vocab_size and refuses one: the export leaves d2t / t2d out for a full draft vocabulary."""
