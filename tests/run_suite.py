@@ -1,6 +1,7 @@
 """The whole suite as CI runs it, in four timed phases sized for a 2-core CPU.
 
-    python tests/run_suite.py                 # what .ci/run and README's test command run
+    python tests/run_suite.py                 # all four phases
+    python -m pytest -n 2 && python tests/run_suite.py --after-fast-tier   # README's test command, .ci/run
     python tests/run_suite.py --no-engines    # fast tier + mutation check (no vLLM environment)
 
 1. Fast tier: `pytest -n 2` (every test uses one torch thread, so two xdist workers keep both
@@ -52,6 +53,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="Fast tier, engine tier and mutation check, as CI runs them.")
     ap.add_argument("--workers", type=int, default=2, help="pytest-xdist workers per pytest phase (default 2)")
     ap.add_argument("--no-engines", action="store_true", help="skip the vLLM environment and the engine tier")
+    ap.add_argument("--after-fast-tier", action="store_true",
+                    help="start at phase 2: the caller has just run the fast tier (README's test command "
+                    "runs `python -m pytest -n 2` itself, then this)")
     args = ap.parse_args(argv)
     engines = not args.no_engines and os.environ.get("DRAFTTRAIN_SKIP_ENGINES") != "1"
     py = sys.executable
@@ -59,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     times: list[tuple[str, float, int]] = []
     t0 = time.monotonic()
 
-    rc = _phase("fast tier", [py, "-m", "pytest", *xdist, "--durations=10"], times)
+    rc = 0 if args.after_fast_tier else _phase("fast tier", [py, "-m", "pytest", *xdist, "--durations=10"], times)
     if rc == 0 and engines:
         t = time.monotonic()
         print("\n=== vLLM environment: building it unless it is cached", flush=True)
