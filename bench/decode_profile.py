@@ -138,8 +138,8 @@ def matmul_replay_ms(model, n_tokens: int, steps: int, with_head: bool) -> float
     return median_ms(run, steps)
 
 
-def op_table(step: Step, steps: int, top: int) -> list[tuple[str, float, float]]:
-    """(op, calls per step, self CPU ms per step) of the top ops under torch.profiler."""
+def op_table(step: Step, steps: int, top: int) -> tuple[list[tuple[str, float, float]], float]:
+    """((op, calls per step, self CPU ms per step) of the top ops, all ops ms per step) under torch.profiler."""
     for _ in range(2):
         step()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
