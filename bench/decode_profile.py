@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from drafttrain.decode import speculative_generate
+from drafttrain.decode.kernels import cpu_linear
 from drafttrain.decode.kernels.greedy import greedy_lm_head_argmax
 from drafttrain.decode.kv import KVState, target_forward
 from drafttrain.targets import load_target
@@ -52,6 +53,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=2, help="torch threads")
     p.add_argument("--top-ops", type=int, default=14, help="ops listed in the profiler table")
     p.add_argument("--new-tokens", type=int, default=64, help="tokens of the end-to-end engine run")
+    p.add_argument("--linear-backend", default="auto", choices=cpu_linear.BACKENDS,
+                   help="the target's linear layers: decode/kernels/cpu_linear.py (auto: the AVX2 bf16 kernel "
+                        "where PyTorch's bf16 matmul is slow)")
     return p.parse_args(argv)
 
 
@@ -130,10 +134,12 @@ def matmul_replay_ms(model, n_tokens: int, steps: int, with_head: bool) -> float
     if with_head:
         mats.append(model.get_output_embeddings().weight)
     inputs = [torch.randn(n_tokens, w.shape[1], dtype=dtype) for w in mats]
+    routed = cpu_linear.routes(model.get_output_embeddings(), n_tokens)
+    linear = cpu_linear.bf16_linear if routed else F.linear
 
     def run():
         for x, w in zip(inputs, mats):
-            F.linear(x, w)
+            linear(x, w)
 
     return median_ms(run, steps)
 
@@ -155,6 +161,11 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     model, tok, _ = load_target(args.target, dtype=args.dtype)
     model.eval()
+    backend = cpu_linear.resolve_backend(args.linear_backend, model)
+    if backend == "avx2":
+        t = time.perf_counter()
+        cpu_linear.install(model)
+        print(f"linear layers: the AVX2 bf16 kernel (ready in {time.perf_counter() - t:.1f} s)")
     torch.manual_seed(0)
     bw = read_bandwidth_gbs()
     wbytes = weight_bytes(model)
@@ -185,6 +196,11 @@ def main(argv=None) -> int:
 
         h = torch.randn(1, head_w.shape[1], dtype=head_w.dtype)
         lin = median_ms(lambda: F.linear(h, head_w), args.steps)
+        if head_w.dtype == torch.bfloat16 and cpu_linear.available():
+            for rows in (1, args.verify):
+                hr = torch.randn(rows, head_w.shape[1], dtype=head_w.dtype)
+                print(f"LM head, {rows} row{'s' if rows > 1 else ''}: F.linear {median_ms(lambda hr=hr: F.linear(hr, head_w), args.steps):.1f} ms, "
+                      f"AVX2 kernel {median_ms(lambda hr=hr: cpu_linear.bf16_linear(hr, head_w), args.steps):.1f} ms")
         arg = median_ms(lambda: greedy_lm_head_argmax(h, head_w), args.steps)
         head_limit = head_w.numel() * head_w.element_size() / (bw * 1e9) * 1e3
         print(f"\nLM head alone, 1 row: F.linear {lin:.1f} ms, fused greedy argmax {arg:.1f} ms, "

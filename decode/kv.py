@@ -34,6 +34,7 @@ import torch
 from torch import Tensor, nn
 from transformers import DynamicCache
 
+from drafttrain.decode.kernels.cpu_linear import routes
 from drafttrain.textconfig import text_config
 
 __all__ = ["KVState", "target_forward", "truncated_layers", "attention_layout"]
@@ -254,7 +255,11 @@ def target_forward(model: nn.Module, kv: KVState, input_ids: Tensor, positions: 
 
             last = out.last_hidden_state  # [B, n, H]
             flat = last.reshape(-1, last.shape[-1])
-            result = greedy_lm_head_argmax(flat, head_module.weight).view(last.shape[:2])
+            if routes(head_module, flat.shape[0]):
+                # the CPU kernel reads the head once for every row; [rows, V] logits are small
+                result = head_module(flat).argmax(-1).view(last.shape[:2])  # first maximum on ties
+            else:
+                result = greedy_lm_head_argmax(flat, head_module.weight).view(last.shape[:2])
         elif head == "hidden":
             result = out.last_hidden_state
     hidden = {i: out.hidden_states[i] for i in hidden_ids} if hidden_ids else {}

@@ -253,6 +253,21 @@ def _engine_rows(cfg: EvalConfig, engine: VllmRuns | None, runs: list[Run], swee
                          reference=reference)
 
 
+def _install_linear_backend(cfg: EvalConfig, target) -> None:
+    from drafttrain.decode.kernels import cpu_linear
+
+    try:
+        backend = cpu_linear.resolve_backend(cfg.linear_backend, target)
+    except ValueError as e:
+        raise EvalError(str(e)) from None
+    if backend == "avx2":
+        t0 = time.perf_counter()
+        n = cpu_linear.install(target)
+        print(f"linear_backend={cfg.linear_backend}: {n} bf16 linear layers of the target run through the AVX2 "
+              f"kernel for decode steps (ready in {time.perf_counter() - t0:.1f} s; linear_backend=aten: PyTorch's)",
+              flush=True)
+
+
 def run_eval(cfg: EvalConfig) -> Results:
     """Runs the whole evaluation described by `cfg` and writes the report; returns it."""
     from tqdm.auto import tqdm
@@ -264,6 +279,7 @@ def run_eval(cfg: EvalConfig) -> Results:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     target, tokenizer, info = load_target(cfg.target, dtype=cfg.dtype)
+    _install_linear_backend(cfg, target)
     bench = load_benchmark(cfg.bench, tokenizer, cfg.data, cfg.num_prompts)
     if not bench:
         raise EvalError(f"benchmark {cfg.bench!r} gave no prompts")

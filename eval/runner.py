@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from drafttrain.decode import Proposer, speculative_generate
+from drafttrain.decode.kernels import cpu_linear
 from drafttrain.eos import eos_ids as model_eos_ids
 from drafttrain.eval.metrics import Call, first_divergence
 from drafttrain.eval.results import Divergence, GreedyCheck
@@ -121,7 +122,7 @@ def run_call(target: nn.Module, method: Method, prompts: list[list[int]], *, max
     if temperature > 0:
         torch.manual_seed(seed if isinstance(seed, int) else seed[0])
     t0 = time.perf_counter()
-    with torch.inference_mode():
+    with torch.inference_mode(), cpu_linear.paused(target):  # transformers as users run it
         gen = target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, min_new_tokens=0,
                               eos_token_id=eos or None, pad_token_id=pad_id, repetition_penalty=None, min_p=None,
                               **sampling, **method.hf_kwargs)
