@@ -5,12 +5,15 @@ What it does:
     probabilities. Target and draft MUST go through this same function with the same settings;
     a mismatch silently breaks losslessness (transformers #47932).
   * ``check_logits``: the one place that rejects NaN / +inf logits with a clear error.
-  * Random draws for verification: float64 uniforms (float32 ``rand`` can return exactly 0) and
-    Exp(1) noise for the exponential race ``argmax(r / E)``, which samples from an unnormalised
-    distribution ``r``. Draws come either from a ``torch.Generator`` or are keyed by (seed,
-    absolute position, counter, stream): uniforms from a counter-based hash, each row's Exp(1)
-    vector from a generator seeded by its key. Keyed draws make outputs independent of batch
-    composition.
+  * Random draws for verification: float64 uniforms (float32 ``rand`` can return exactly 0) for
+    the accept tests, and for the one emitted token either Exp(1) noise for the exponential race
+    ``argmax(r / E)`` or one float64 uniform for an inverse-CDF draw; both sample from an
+    unnormalised distribution ``r`` (`sample_weights` takes either). Draws come either from a
+    ``torch.Generator`` or are keyed by (seed, absolute position, counter, stream): uniforms from a
+    counter-based hash (the keyed emit draw is one such uniform per row: a float64 cumulative sum
+    over the vocabulary instead of V random numbers), or a row's Exp(1) vector from a generator
+    seeded by its key (what the fused GPU kernel consumes). Keyed draws make outputs independent
+    of batch composition.
 
 What it deliberately does not do: repetition penalties, min-p, logit bias, grammar masks. Those
 belong to the caller and must be applied identically to target and draft before this module.
@@ -29,6 +32,8 @@ __all__ = [
     "counter_uniform",
     "counter_exponential",
     "exponential_race",
+    "inverse_cdf",
+    "sample_weights",
     "keyed_categorical",
     "row_seeds",
     "STREAM_ACCEPT",
@@ -233,6 +238,38 @@ def exponential_race(weights: Tensor, exponentials: Tensor) -> Tensor:
     return (weights / exponentials).argmax(dim=-1)
 
 
+def inverse_cdf(weights: Tensor, u: Tensor) -> Tensor:
+    """Samples index i with probability weights[i] / sum(weights) by inverting the float64 CDF.
+
+    Exact up to float64 rounding of the cumulative sum, and never an index of zero weight: the
+    first index whose cumulative sum exceeds ``u * total`` has positive weight, and a product that
+    rounds up to the total falls back to the last index of positive weight.
+
+    Args:
+        weights: [..., V] non-negative weights (not all zero).
+        u: [...] float64 uniforms in [0, 1).
+
+    Returns:
+        [...] long indices.
+    """
+    cdf = weights.cumsum(-1, dtype=torch.float64)  # [..., V], no float64 copy of the weights
+    target = (u.to(cdf.device).double() * cdf[..., -1])[..., None]
+    idx = torch.searchsorted(cdf, target, right=True)[..., 0]
+    V = weights.shape[-1]
+    if bool((idx >= V).any()):
+        last = V - 1 - (weights > 0).flip(-1).int().argmax(-1)  # the last index of positive weight
+        idx = torch.where(idx >= V, last, idx)
+    return idx
+
+
+def sample_weights(weights: Tensor, noise: Tensor) -> Tensor:
+    """One draw per row from unnormalised `weights` [..., V] with the given noise: Exp(1) draws
+    [..., V] (exponential race) or one float64 uniform per row [...] (inverse CDF)."""
+    if noise.dim() == weights.dim():
+        return exponential_race(weights, noise)
+    return inverse_cdf(weights, noise)
+
+
 def keyed_categorical(probs: Tensor, seed: int | Tensor, position: Tensor) -> Tensor:
     """One draw per row from `probs` [B, V] (rows need not be normalised), keyed by (seed,
     position [B]) on the draft stream: inverse CDF in float64 with one counter uniform per row.
@@ -241,8 +278,5 @@ def keyed_categorical(probs: Tensor, seed: int | Tensor, position: Tensor) -> Te
     on the batch's composition. A position drafted again in a later step reuses its uniform;
     that is safe because a draft beyond the first rejection never influenced what was emitted.
     """
-    cdf = probs.double().cumsum(-1)  # [B, V]
     u = counter_uniform(seed, position.long()[:, None], torch.zeros(1, 1, dtype=torch.long), STREAM_DRAFT)
-    x = torch.searchsorted(cdf, u.to(cdf.device) * cdf[:, -1:], right=True)[:, 0]
-    return x.clamp_(max=probs.shape[-1] - 1)
-
+    return inverse_cdf(probs, u[:, 0])

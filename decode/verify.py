@@ -35,12 +35,13 @@ from drafttrain.decode.kernels.dispatch import resolve_impl
 from drafttrain.decode.kernels.rejection import rejection_sample
 from drafttrain.decode.sampling import (
     STREAM_ACCEPT,
+    STREAM_EMIT,
     check_logits,
     counter_exponential,
     counter_uniform,
-    exponential_race,
     exponentials_from_generator,
     process_logits,
+    sample_weights,
     uniforms_from_generator,
 )
 
@@ -94,12 +95,13 @@ def verify_tree(target_logits: Tensor, tokens: Tensor, parents: Tensor, draft_pr
     are drafts, ``parents[b, i] < i`` (topological order), ``parents[:, 0] == -1``, and padding
     nodes have parent -2 and are ignored. Children of a node are tried in index order.
 
-    Randomness: float64 uniforms for the accept tests and Exp(1) noise for the one emitted token.
-    With ``seed`` they are keyed by (seed, root position, node) for the uniforms and (seed, root
-    position) for a row's Exp(1) vector (`counter_exponential`), so a row's outcome does not
-    depend on the rest of the batch; root positions strictly increase from step to step, so keys
-    are never reused. Otherwise they come from ``generator``
-    (or the global RNG): uniforms [B, N] first, then exponentials [B, V].
+    Randomness: float64 uniforms for the accept tests and, for the one emitted token, one more
+    float64 uniform (an inverse-CDF draw) or, for the fused GPU chain kernel, Exp(1) noise. With
+    ``seed`` they are keyed by (seed, root position, node) for the accept uniforms, (seed, root
+    position) on the emit stream for the emit uniform, or for a row's Exp(1) vector
+    (`counter_exponential`), so a row's outcome does not depend on the rest of the batch; root
+    positions strictly increase from step to step, so keys are never reused. Otherwise they come
+    from ``generator`` (or the global RNG): uniforms [B, N] first, then exponentials [B, V].
 
     Args:
         target_logits: [B, N, V] target logits at each node (the distribution of the next token).
@@ -133,8 +135,9 @@ def verify_tree(target_logits: Tensor, tokens: Tensor, parents: Tensor, draft_pr
         return verify_greedy_ref(target_logits, tokens, parents)
     probs_needed = typical is not None or top_k > 0 or top_p < 1.0
     use_kernel = _resolve_chain_kernel(impl, target_logits, probs_needed)
-    uniforms, exponentials = _draw(B, N, V, target_logits.device, generator, seed, positions)
-    if use_kernel and _is_chain(parents):
+    kernel_chain = use_kernel and _is_chain(parents)
+    uniforms, exponentials = _draw(B, N, V, target_logits.device, generator, seed, positions, race=kernel_chain)
+    if kernel_chain:
         return _verify_chain_kernel(target_logits, tokens[:, 1:], draft_probs, temperature, uniforms,
                                     exponentials, impl="triton")
     if impl == "triton" and use_kernel:
@@ -215,7 +218,8 @@ def verify_typical_ref(probs: Tensor, tokens: Tensor, parents: Tensor, typical: 
         tokens: [B, N] long.
         parents: [B, N] long.
         typical: (eps, delta), Medusa defaults (0.09, 0.3).
-        exponentials: [B, V] Exp(1) noise for the emitted token.
+        exponentials: the emitted token's noise: [B, V] Exp(1) draws or [B] float64 uniforms
+            (`sampling.sample_weights`).
 
     Returns:
         VerifyResult.
@@ -229,7 +233,7 @@ def verify_typical_ref(probs: Tensor, tokens: Tensor, parents: Tensor, typical: 
     match = (parents >= 0) & (p_x > threshold.gather(1, par))
     mask, last = _walk_first_match(match, parents)
     p_last = probs[rows[:, 0], last]  # [B, V]
-    return VerifyResult(_pack_path(mask), mask.sum(1), exponential_race(p_last, exponentials), last)
+    return VerifyResult(_pack_path(mask), mask.sum(1), sample_weights(p_last, exponentials), last)
 
 
 def verify_sampled_ref(probs: Tensor, tokens: Tensor, parents: Tensor, draft_probs: Tensor | None,
@@ -248,8 +252,8 @@ def verify_sampled_ref(probs: Tensor, tokens: Tensor, parents: Tensor, draft_pro
         sibling is tested against this residual. If the residual is empty (p == q up to
         rounding) fall back to p at the current node.
 
-    At the end emit argmax(r / E) (exponential race): the residual after a rejection, or p at
-    the leaf (the bonus token).
+    At the end emit a draw from r (exponential race argmax(r / E), or inverse CDF): the residual
+    after a rejection, or p at the leaf (the bonus token).
 
     Args:
         probs: [B, N, V] float32 processed target probabilities at each node.
@@ -257,7 +261,8 @@ def verify_sampled_ref(probs: Tensor, tokens: Tensor, parents: Tensor, draft_pro
         parents: [B, N] long.
         draft_probs: [B, N', V] q for the children of each node (N' >= last parent + 1), or None.
         uniforms: [B, N] float64 in [0, 1); uniforms[:, c] tests node c.
-        exponentials: [B, V] float32 Exp(1) noise for the emitted token.
+        exponentials: the emitted token's noise: [B, V] float32 Exp(1) draws (exponential race)
+            or [B] float64 uniforms (inverse CDF); `sampling.sample_weights`.
 
     Returns:
         VerifyResult.
@@ -290,7 +295,7 @@ def verify_sampled_ref(probs: Tensor, tokens: Tensor, parents: Tensor, draft_pro
         s = torch.where(ok, torch.ones_like(s), torch.where(rej, s_rej, s))
         cur = torch.where(ok, c, cur)
         mask[:, c] = ok
-    return VerifyResult(_pack_path(mask), mask.sum(1), exponential_race(r, exponentials), cur)
+    return VerifyResult(_pack_path(mask), mask.sum(1), sample_weights(r, exponentials), cur)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -335,8 +340,11 @@ def _pack_path(mask: Tensor) -> Tensor:
 
 
 def _draw(B: int, N: int, V: int, device: torch.device, generator: torch.Generator | None,
-          seed: int | Tensor | None, positions: Tensor | None) -> tuple[Tensor, Tensor]:
-    """Uniforms [B, N] float64 and exponentials [B, V] float32 for one verification step."""
+          seed: int | Tensor | None, positions: Tensor | None, *, race: bool) -> tuple[Tensor, Tensor]:
+    """Uniforms [B, N] float64 for the accept tests and the emit noise of one verification step:
+    exponentials [B, V] float32 from a generator or when `race` (the fused kernel), else one keyed
+    float64 uniform per row [B] (an inverse-CDF draw: ~1 ms per row on a 262k vocabulary where
+    keyed Exp(1) vectors cost ~5.5)."""
     if seed is None:
         return (uniforms_from_generator((B, N), device, generator),
                 exponentials_from_generator((B, V), device, generator))
@@ -345,7 +353,9 @@ def _draw(B: int, N: int, V: int, device: torch.device, generator: torch.Generat
     root = (positions[:, 0] if positions.dim() == 2 else positions).to(device).long()  # [B]
     nodes = torch.arange(N, device=device)
     u = counter_uniform(seed, root[:, None], nodes[None, :], STREAM_ACCEPT)  # [B, N]
-    return u, counter_exponential(seed, root, V)
+    if race:
+        return u, counter_exponential(seed, root, V)
+    return u, counter_uniform(seed, root, torch.zeros_like(root), STREAM_EMIT)  # [B]
 
 
 def _resolve_chain_kernel(impl: str, logits: Tensor, probs_needed: bool) -> bool:

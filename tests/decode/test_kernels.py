@@ -204,12 +204,13 @@ lg = torch.randn(B, gamma + 1, V, generator=g) * 3
 q = process_logits(lg[:, :gamma] + torch.randn(B, gamma, V, generator=g), 1.0)
 d = torch.multinomial(q.reshape(-1, V), 1, generator=g).reshape(B, gamma)
 kw = dict(temperature=1.0, seed=42, positions=torch.arange(B) * 5)
-a = verify_chain(lg, d, q, impl="ref", **kw)
+from drafttrain.decode.verify import _draw, _verify_chain_kernel
+# the keyed draws verify_chain makes for the fused kernel (the CPU tree walk draws its emit otherwise)
+u, e = _draw(B, gamma + 1, V, torch.device("cpu"), None, 42, kw["positions"], race=True)
+a = _verify_chain_kernel(lg, d, q, 1.0, u, e, impl="ref")
 b = verify_chain(lg, d, q, impl="triton", **kw)
 res["verify_chain"] = [[a.accepted.tolist(), a.next_token.tolist()], [b.accepted.tolist(), b.next_token.tolist()]]
 res["verify_chain_accepts"] = int(a.num_accepted.sum())
-from drafttrain.decode.verify import _draw
-u, e = _draw(B, gamma + 1, V, torch.device("cpu"), None, 42, kw["positions"])
 xb = torch.cat([d, d.new_full((B, 1), -1)], 1)
 res["verify_chain_margins"] = margins(lg, xb, q, 1.0, torch.cat([u[:, 1:], u.new_zeros(B, 1)], 1), e)
 print(json.dumps(res))

@@ -221,11 +221,13 @@ def test_chain_tree_walk_equals_parallel_chain_path(with_q):
     logits = torch.randn(B, gamma + 1, V, generator=g) * 2
     q = process_logits(torch.randn(B, gamma, V, generator=g), 1.0) if with_q else None
     drafts = torch.randint(0, V, (B, gamma), generator=g)
-    kw = dict(temperature=0.8, seed=7, positions=torch.arange(B) * 3)
-    walk = verify_chain(logits, drafts, q, impl="ref", **kw)
-    # same draws as verify_tree makes: keyed by (seed, root position)
-    u = counter_uniform(7, kw["positions"][:, None], torch.arange(gamma + 1)[None, :], STREAM_ACCEPT)
-    e = counter_exponential(7, kw["positions"], V)
+    positions = torch.arange(B) * 3
+    # the draws verify_tree makes for the fused kernel: keyed by (seed, root position)
+    u = counter_uniform(7, positions[:, None], torch.arange(gamma + 1)[None, :], STREAM_ACCEPT)
+    e = counter_exponential(7, positions, V)
+    tokens = torch.cat([drafts.new_zeros(B, 1), drafts], 1)
+    qq = None if q is None else torch.cat([q, q[:, :1]], 1)  # node gamma is a leaf: its row is unused
+    walk = verify_sampled_ref(process_logits(logits, 0.8), tokens, chain_parents(B, gamma), qq, u, e)
     par = _verify_chain_kernel(logits, drafts, q, 0.8, u, e, impl="ref")
     for f in ("accepted", "num_accepted", "next_token", "last_node"):
         assert torch.equal(getattr(walk, f), getattr(par, f)), f
@@ -434,3 +436,36 @@ def test_keyed_categorical_follows_the_distribution():
     assert freq[1] == 0 and ((freq - probs.double()).abs() <= 6 * sd + 1e-12).all()
     again = keyed_categorical(probs.expand(3, -1), 9, torch.tensor([1000, 1001, 1002]))
     assert torch.equal(again, x[:3])  # a pure function of (seed, position)
+
+
+def test_inverse_cdf_never_draws_a_zero_weight_token():
+    """The last uniform below 1 times the total can round up to the total: the draw must still be
+    a token of positive weight (here: not the zero-weight last tokens)."""
+    from drafttrain.decode.sampling import inverse_cdf
+
+    w = torch.tensor([[0.1, 0.0, 0.7, 0.2, 0.0, 0.0], [0.0, 0.0, 0.0, 1e-30, 0.0, 0.0]])
+    top = torch.tensor([1 - 2.0 ** -53, 1 - 2.0 ** -53], dtype=torch.float64)
+    assert inverse_cdf(w, top).tolist() == [3, 3]
+    assert inverse_cdf(w, torch.zeros(2, dtype=torch.float64)).tolist() == [0, 3]
+
+
+def test_keyed_emit_draw_follows_the_residual_law():
+    """Sampled verification of one-draft chains with the keyed emit uniform (what CPU decoding
+    uses): over 30k rows, each with its own root position, the emitted-token frequencies after a
+    rejection match the normalised residual max(p - q, 0), and after an acceptance the bonus
+    token follows p at the draft (6 sigma per token)."""
+    V, n = 6, 30_000
+    p_root = torch.tensor([0.30, 0.25, 0.20, 0.15, 0.10, 0.0])
+    p_leaf = torch.tensor([0.05, 0.05, 0.10, 0.20, 0.20, 0.40])
+    q = torch.tensor([0.10, 0.50, 0.10, 0.10, 0.10, 0.10])
+    logits = torch.stack([p_root, p_leaf]).clamp_min(1e-30).log().expand(n, 2, V)
+    drafts = torch.full((n, 1), 1)
+    res = verify_chain(logits, drafts, q.expand(n, 1, V), temperature=1.0, seed=5, positions=torch.arange(n) * 7)
+    acc = res.num_accepted == 1
+    assert abs(acc.double().mean().item() - 0.5) < 6 * math.sqrt(0.25 / n)  # p(1) / q(1)
+    resid = (p_root - q).clamp_min(0)
+    for mask, law in ((~acc, resid / resid.sum()), (acc, p_leaf)):
+        m = int(mask.sum())
+        freq = torch.bincount(res.next_token[mask], minlength=V).double() / m
+        sd = (law.double() * (1 - law.double()) / m).sqrt()
+        assert ((freq - law.double()).abs() <= 6 * sd + 1e-12).all(), (freq, law)
