@@ -325,7 +325,8 @@ def run_eval(cfg: EvalConfig) -> Results:
         add_speedups(summaries, [b for b in SPEEDUP_BASELINES if b in summaries])
         if cfg.batch_size == 1:
             walls = {k: [c.wall_s for c in v] for k, v in calls.items()}
-            add_prompt_speedups(summaries, walls)
+            emitted = {k: [sum(len(q) for q in c.sequences) for c in v] for k, v in calls.items()}
+            add_prompt_speedups(summaries, walls, emitted)
         for name, s in summaries.items():
             s.theory = theory(s, summaries.get("target")) if name != "target" else None
         if cfg.oracle:

@@ -37,7 +37,7 @@ import torch
 
 from drafttrain.eval.results import CategorySummary, MethodSummary, Repetition, Spread, Theory, TimeSplit
 
-__all__ = ["Call", "mean_std", "repetition", "summarize", "add_speedups", "add_prompt_speedups", "speedup_ci95", "theory",
+__all__ = ["Call", "mean_std", "repetition", "summarize", "add_speedups", "add_prompt_speedups", "speedup_ci95", "throughput_ratio", "theory",
            "first_divergence", "iid_tau", "iid_speedup"]
 
 
@@ -192,42 +192,61 @@ def _per_category(calls: list[Call], categories: list[str], *, engine: bool) -> 
     return dict(sorted(per_cat.items()))
 
 
+def throughput_ratio(tokens: float, wall: float, base_tokens: float, base_wall: float) -> float:
+    """(tokens / wall) / (base_tokens / base_wall): the speedup in tokens per second. Equal to the
+    wall-time ratio when both emitted the same tokens (greedy); at T > 0 samples end at different
+    lengths, and a wall-time ratio would credit a method for the tokens it did not write."""
+    if wall <= 0 or base_tokens <= 0 or base_wall <= 0:
+        return 0.0
+    return (tokens / wall) / (base_tokens / base_wall)
+
+
 def add_speedups(methods: dict[str, MethodSummary], baselines: list[str]) -> None:
-    """Sets `speedup` {vs_<baseline>: baseline wall / method wall} on every method, overall and
-    per category."""
+    """Sets `speedup` {vs_<baseline>: method tokens/s / baseline tokens/s} on every method, overall
+    and per category."""
     for m in methods.values():
         m.speedup = {}
         for b in baselines:
             if b not in methods or m.wall_s <= 0:
                 continue
-            m.speedup[f"vs_{b}"] = methods[b].wall_s / m.wall_s
+            base = methods[b]
+            m.speedup[f"vs_{b}"] = throughput_ratio(m.tokens, m.wall_s, base.tokens, base.wall_s)
             for cat, v in m.per_category.items():
-                base = methods[b].per_category.get(cat)
-                if base is not None and v.wall_s > 0:
+                bc = base.per_category.get(cat)
+                if bc is not None and v.wall_s > 0:
                     v.speedup = v.speedup if v.speedup is not None else {}
-                    v.speedup[f"vs_{b}"] = base.wall_s / v.wall_s
+                    v.speedup[f"vs_{b}"] = throughput_ratio(v.tokens, v.wall_s, bc.tokens, bc.wall_s)
 
 
-def add_prompt_speedups(methods: dict[str, MethodSummary], walls: dict[str, list[float]]) -> None:
-    """Per-prompt speedup spread vs target-only decoding from per-call wall times, and a 95%
-    bootstrap interval of the overall speedup (the calls are the prompts at batch 1)."""
+def add_prompt_speedups(methods: dict[str, MethodSummary], walls: dict[str, list[float]],
+                        tokens: dict[str, list[int]] | None = None) -> None:
+    """Per-prompt speedup spread vs target-only decoding from per-call wall times (and tokens:
+    tokens/s ratios; without them, wall-time ratios), and a 95% bootstrap interval of the overall
+    speedup (the calls are the prompts at batch 1)."""
     if "target" not in walls:
         return
+    tok = tokens or {k: [1] * len(w) for k, w in walls.items()}
     for name, w in walls.items():
         if name in methods and len(w) == len(walls["target"]):
-            mu, sd = mean_std([b / x for b, x in zip(walls["target"], w) if x > 0])
+            t, bt, bw = tok[name], tok["target"], walls["target"]
+            mu, sd = mean_std([throughput_ratio(t[i], w[i], bt[i], bw[i]) for i in range(len(w)) if w[i] > 0])
             methods[name].speedup_per_prompt_vs_target = Spread(mean=mu, std=sd)
             if name != "target" and len(w) >= 2:
-                methods[name].speedup_ci95_vs_target = speedup_ci95(walls["target"], w)
+                methods[name].speedup_ci95_vs_target = speedup_ci95(bw, w, base_tokens=bt, tokens=t)
 
 
-def speedup_ci95(base: list[float], walls: list[float], *, resamples: int = 2000, seed: int = 0) -> list[float]:
-    """95% percentile-bootstrap interval of sum(base) / sum(walls), resampling the paired calls
-    (prompts) with replacement: how much the speedup owes to which prompts were drawn."""
+def speedup_ci95(base: list[float], walls: list[float], *, base_tokens: list[int] | None = None,
+                 tokens: list[int] | None = None, resamples: int = 2000, seed: int = 0) -> list[float]:
+    """95% percentile-bootstrap interval of the overall speedup, resampling the paired calls
+    (prompts) with replacement: how much the speedup owes to which prompts were drawn. With token
+    counts the speedup is (sum tokens / sum walls) / (sum base_tokens / sum base); without, the
+    wall-time ratio sum(base) / sum(walls)."""
     g = torch.Generator().manual_seed(seed)
     b, w = torch.tensor(base, dtype=torch.float64), torch.tensor(walls, dtype=torch.float64)
+    bt = torch.ones_like(b) if base_tokens is None else torch.tensor(base_tokens, dtype=torch.float64)
+    t = torch.ones_like(w) if tokens is None else torch.tensor(tokens, dtype=torch.float64)
     idx = torch.randint(0, len(b), (resamples, len(b)), generator=g)
-    ratios = b[idx].sum(1) / w[idx].sum(1).clamp_min(1e-12)
+    ratios = (t[idx].sum(1) / w[idx].sum(1).clamp_min(1e-12)) / (bt[idx].sum(1) / b[idx].sum(1).clamp_min(1e-12))
     lo, hi = torch.quantile(ratios, torch.tensor([0.025, 0.975], dtype=torch.float64)).tolist()
     return [round(lo, 4), round(hi, 4)]
 

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from drafttrain.eval.metrics import summarize
+from drafttrain.eval.metrics import summarize, throughput_ratio
 from drafttrain.eval.results import MethodSummary, OracleBound, SweepCategory, SweepRow
 from drafttrain.eval.runner import Method, run_benchmark
 
@@ -45,7 +45,7 @@ __all__ = ["run_sweep", "part_specs"]
 def _point(summary: MethodSummary, base: MethodSummary, **head) -> SweepRow:
     """One method's row at one point; `head`: its method name, swept value and batch-sweep kind."""
     return SweepRow(**head, tokens_per_s=summary.tokens_per_s, wall_s=summary.wall_s,
-                    speedup_vs_target=base.wall_s / summary.wall_s if summary.wall_s > 0 else 0.0,
+                    speedup_vs_target=throughput_ratio(summary.tokens, summary.wall_s, base.tokens, base.wall_s),
                     tau=summary.tau, acceptance=summary.acceptance, chosen_lengths=summary.chosen_lengths,
                     chosen_parts=summary.chosen_parts, per_category=_categories(summary, base))
 
@@ -57,9 +57,8 @@ def _categories(summary: MethodSummary, base: MethodSummary) -> dict[str, SweepC
     out = {}
     for cat, v in summary.per_category.items():
         b = base.per_category.get(cat)
-        base_wall = b.wall_s if b is not None else 0.0
-        out[cat] = SweepCategory(tokens_per_s=v.tokens_per_s, tau=v.tau,
-                                 speedup_vs_target=base_wall / v.wall_s if v.wall_s > 0 else 0.0)
+        ratio = throughput_ratio(v.tokens, v.wall_s, b.tokens, b.wall_s) if b is not None else 0.0
+        out[cat] = SweepCategory(tokens_per_s=v.tokens_per_s, tau=v.tau, speedup_vs_target=ratio)
     return out
 
 

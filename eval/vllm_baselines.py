@@ -275,13 +275,13 @@ def run_vllm_baselines(cfg: EvalConfig, info: TargetInfo, target, prompts: list[
     return VllmRuns.from_result(result, settings, configs)
 
 
-def _row(name: str, run: EngineRun, target_wall: float | None, reference: dict[int, list[int]] | None) -> EngineRow:
+def _row(name: str, run: EngineRun, target_tps: float | None, reference: dict[int, list[int]] | None) -> EngineRow:
     temp, b, n, calls, spec = run.temperature, run.batch_size, run.num_prompts, run.calls, run.spec
     tokens = sum(len(s) for c in calls for s in c.sequences)
     wall = sum(c.wall_s for c in calls)
+    tps = tokens / wall if wall > 0 else 0.0
     row = EngineRow(method=name, temperature=temp, batch_size=b, num_prompts=n, tokens=tokens, wall_s=wall,
-                    tokens_per_s=tokens / wall if wall > 0 else 0.0,
-                    speedup_vs_target=target_wall / wall if target_wall and wall > 0 else None,
+                    tokens_per_s=tps, speedup_vs_target=tps / target_tps if target_tps else None,
                     acceptance=_acceptance(spec))
     if spec is not None:
         row.num_drafts, row.mean_acceptance_length = spec["num_drafts"], spec["mean_acceptance_length"]
@@ -294,17 +294,17 @@ def _row(name: str, run: EngineRun, target_wall: float | None, reference: dict[i
 
 def engine_report(engine: VllmRuns, runs: list[Run], sweeps: dict[str, list[SweepRow]], *, num_prompts: int,
                   sweep_prompts: int, reference: dict[int, list[int]] | None) -> EngineBaselines:
-    """Every timed vLLM run as a row, with its speedup over drafttrain's target timed at the same
+    """Every timed vLLM run as a row, with its speedup (tokens/s ratio) over drafttrain's target timed at the same
     temperature, batch size and prompts (the main run, or a batch_size sweep's target row; else
     none) and, at T = 0, how many prompts equal drafttrain's greedy target output (`reference`)."""
-    target_walls: dict[tuple, float] = {}
+    target_tps: dict[tuple, float] = {}
     for run in runs:
         if "target" in run.methods:
-            target_walls[run.temperature, run.batch_size, num_prompts] = run.methods["target"].wall_s
+            target_tps[run.temperature, run.batch_size, num_prompts] = run.methods["target"].tokens_per_s
     for r in sweeps.get("batch_size", []):
         if r.kind == "target" and r.wall_s:
-            target_walls.setdefault((r.temperature, r.batch_size, sweep_prompts), r.wall_s)
-    rows = [_row(name, run, target_walls.get(run.key), reference)
+            target_tps.setdefault((r.temperature, r.batch_size, sweep_prompts), r.tokens_per_s)
+    rows = [_row(name, run, target_tps.get(run.key), reference)
             for name, name_runs in engine.runs.items() for run in name_runs]
     s = engine.settings
     return EngineBaselines(engine=s["engine"], model=s["model"], dtype=s["dtype"], threads=s["threads"],

@@ -149,3 +149,25 @@ def test_speedup_interval_is_a_bootstrap_over_prompts():
     assert lo < sum(base) / sum(walls) < hi
     lo8, hi8 = speedup_ci95(base[:8], walls[:8])
     assert hi8 - lo8 > hi - lo  # fewer prompts, a wider interval
+
+
+def test_sampled_speedups_are_tokens_per_second_ratios():
+    """At T > 0 a method's samples may end earlier than the target's: 4 tokens in 0.8 s against
+    8 tokens in 1.0 s is a slowdown (5 vs 8 tok/s), though its wall time is shorter."""
+    from drafttrain.eval.metrics import add_prompt_speedups, add_speedups, speedup_ci95
+
+    stats = dict(accept_counts=[], draft_counts=[], row_forwards=8, target_forwards=8, per_row_tokens=[8],
+                 per_row_forwards=[8], time_draft=0.0, time_verify=0.8, time_prefill=0.1, time_other=0.0)
+    tgt = [Call("target", [0], [[1] * 8], 1.0, stats), Call("target", [1], [[1] * 8], 1.0, stats)]
+    fast = [Call("m", [0], [[1] * 4], 0.8, stats), Call("m", [1], [[1] * 8], 1.0, stats)]
+    ids, cats = [[1], [1]], ["chat", "chat"]
+    methods = {"target": summarize(tgt, ids, cats), "m": summarize(fast, ids, cats)}
+    add_speedups(methods, ["target"])
+    assert methods["m"].speedup["vs_target"] == pytest.approx((12 / 1.8) / (16 / 2.0))
+    assert methods["m"].per_category["chat"].speedup["vs_target"] == pytest.approx((12 / 1.8) / (16 / 2.0))
+    add_prompt_speedups(methods, {"target": [1.0, 1.0], "m": [0.8, 1.0]}, {"target": [8, 8], "m": [4, 8]})
+    assert methods["m"].speedup_per_prompt_vs_target.mean == pytest.approx((0.625 + 1.0) / 2)
+    lo, hi = methods["m"].speedup_ci95_vs_target
+    assert lo < (12 / 1.8) / 8 < hi <= 1.0  # resamples of prompt 1 alone give 1.0
+    # equal tokens: the tokens/s ratio is the wall-time ratio
+    assert speedup_ci95([2.0, 4.0], [1.0, 2.0], base_tokens=[5, 7], tokens=[5, 7]) == [2.0, 2.0]

@@ -138,7 +138,8 @@ def test_load_proposer_checks_before_it_touches_the_target():
     ("adaptive:hybrid:ngram+corpus:/no/answers.jsonl", ["part 'corpus:/no/answers.jsonl'", "does not exist"]),
     ("hybrid:ngram+adaptive:early-exit:z", ["part 'adaptive:early-exit:z'", "part 'early-exit:z'", "integer K"]),
 ])
-def test_bad_spec_forms(spec, fragments, offline):
+def test_bad_spec_forms(spec, fragments, offline, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # relative specs (README's runs/eagle/drafter) name nothing here
     text = message(spec)
     for f in fragments:
         assert f in text, text
