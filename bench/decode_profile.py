@@ -231,7 +231,35 @@ def main(argv=None) -> int:
         print(f"\nengine, target only, greedy, batch 1: {args.new_tokens} tokens after a {args.context}-token prompt "
               f"in {wall:.2f} s (prefill {prefill:.2f} s): {args.new_tokens / dec:.1f} tok/s decoding, "
               f"{1e3 * dec / args.new_tokens:.1f} ms/token = {dec / args.new_tokens * 1e3 / limit:.2f}x the limit")
+        t = time.perf_counter()
+        out = speculative_generate(model, None, prompt, max_new_tokens=args.new_tokens, eos_token_id=[],
+                                   temperature=1.0, seed=0)
+        dec1 = time.perf_counter() - t - out.stats.time_prefill
+        print(f"engine, target only, T=1 (keyed draws), batch 1: {args.new_tokens / dec1:.1f} tok/s decoding, "
+              f"{1e3 * dec1 / args.new_tokens:.1f} ms/token")
+        emit_draw_table(head_w.shape[0], args.steps)
     return 0
+
+
+def emit_draw_table(vocab: int, steps: int) -> None:
+    """What one sampled step's emitted-token draw costs per row: the keyed Exp(1) race (what the
+    fused GPU kernel consumes) against the keyed inverse CDF the CPU path uses."""
+    from drafttrain.decode.sampling import (
+        STREAM_EMIT,
+        counter_exponential,
+        counter_uniform,
+        exponential_race,
+        inverse_cdf,
+    )
+
+    for rows in (1, 4, 16):
+        w = torch.softmax(torch.randn(rows, vocab), -1)
+        pos = torch.arange(rows) * 7 + 100
+        race = median_ms(lambda w=w, pos=pos: exponential_race(w, counter_exponential(0, pos, vocab)), steps)
+        inv = median_ms(lambda w=w, pos=pos: inverse_cdf(w, counter_uniform(0, pos, torch.zeros_like(pos), STREAM_EMIT)),
+                        steps)
+        print(f"emit draw, {rows} row{'s' if rows > 1 else ''} x {vocab} vocab: keyed Exp(1) race {race:.1f} ms, "
+              f"keyed inverse CDF {inv:.1f} ms")
 
 
 if __name__ == "__main__":
