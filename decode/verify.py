@@ -343,8 +343,8 @@ def _draw(B: int, N: int, V: int, device: torch.device, generator: torch.Generat
           seed: int | Tensor | None, positions: Tensor | None, *, race: bool) -> tuple[Tensor, Tensor]:
     """Uniforms [B, N] float64 for the accept tests and the emit noise of one verification step:
     exponentials [B, V] float32 from a generator or when `race` (the fused kernel), else one keyed
-    float64 uniform per row [B] (an inverse-CDF draw: ~1 ms per row on a 262k vocabulary where
-    keyed Exp(1) vectors cost ~5.5)."""
+    float64 uniform per row [B] (an inverse-CDF draw: 1.0 ms for 1 row and 1.4 ms for 16 rows of
+    Gemma's 262k vocabulary on the 2-core CPU, where keyed Exp(1) races cost 4.6 and 82 ms)."""
     if seed is None:
         return (uniforms_from_generator((B, N), device, generator),
                 exponentials_from_generator((B, V), device, generator))

@@ -31,8 +31,13 @@ def greedy_lm_head_argmax(hidden: Tensor, weight: Tensor, softcap: float | None 
 
 
 def greedy_lm_head_argmax_ref(hidden: Tensor, weight: Tensor, softcap: float | None = None,
-                              *, chunk: int = 32768) -> Tensor:
+                              *, chunk: int = 0) -> Tensor:
     """Reference: logits one vocab chunk at a time, running float32 max, lowest index on ties.
+
+    ``chunk=0`` (default) takes the whole vocabulary in one matmul while [M, V] float32 stays
+    under 32 MB (decode steps: Gemma's 262k vocabulary for up to 32 rows), else 32,768 rows at a
+    time: on a 2-core CPU the eight chunked matmuls of a one-row step cost ~2 ms (~10%) more than
+    one (`bench/decode_profile.py`).
 
     Args:
         hidden: [M, H] hidden states (cast to the weight's dtype; scores compared in float32).
@@ -44,6 +49,8 @@ def greedy_lm_head_argmax_ref(hidden: Tensor, weight: Tensor, softcap: float | N
         [M] long token ids.
     """
     M = hidden.shape[0]
+    if chunk <= 0:
+        chunk = weight.shape[0] if M * weight.shape[0] <= (1 << 23) else 32768
     # The matmul runs in the weight's own dtype (a bf16 LM head stays bf16: casting a 262k x 640
     # head to float32 on every call costs more than the matmul itself) and the scores are
     # compared in float32. For a bf16 model this is exactly what its own forward computes.

@@ -469,3 +469,20 @@ def test_keyed_emit_draw_follows_the_residual_law():
         freq = torch.bincount(res.next_token[mask], minlength=V).double() / m
         sd = (law.double() * (1 - law.double()) / m).sqrt()
         assert ((freq - law.double()).abs() <= 6 * sd + 1e-12).all(), (freq, law)
+
+
+@pytest.mark.parametrize("block", [1, 3, 1024])
+def test_inverse_cdf_blocks_follow_the_law(block):
+    """The two-level search gives the same law for any block size: 60k keyed uniforms against
+    weights with zero entries inside and at the ends of blocks (6 sigma per token)."""
+    from drafttrain.decode.sampling import inverse_cdf
+
+    w = torch.tensor([0.0, 0.2, 0.0, 0.05, 0.3, 0.0, 0.0, 0.25, 0.1, 0.1, 0.0])
+    n = 60_000
+    u = counter_uniform(2, torch.arange(n), torch.zeros(n, dtype=torch.long), STREAM_EMIT)
+    x = inverse_cdf(w.expand(n, -1) * 7, u, block=block)
+    freq = torch.bincount(x, minlength=len(w)).double() / n
+    sd = (w.double() * (1 - w.double()) / n).sqrt()
+    assert (freq[w == 0] == 0).all() and ((freq - w.double()).abs() <= 6 * sd + 1e-12).all(), freq
+    top = torch.full((2,), 1 - 2.0 ** -53, dtype=torch.float64)
+    assert inverse_cdf(w.expand(2, -1), top, block=block).tolist() == [9, 9]
