@@ -12,10 +12,10 @@ What: `bf16_linear(x, w, bias)` computes ``x @ w.T (+ bias)`` for bf16 ``w`` and
 (a 16-bit shift), fp32 FMAs, fp32 sums, the result rounded to ``x``'s dtype. A small C++
 extension (AVX2 + FMA, `at::parallel_for` over weight rows, so `torch.set_num_threads` holds),
 compiled once per machine by `torch.utils.cpp_extension` into its cache (~40 s;
-`TORCH_EXTENSIONS_DIR`). Measured on an AVX-512 bf16 machine (2 threads, the same LM head,
-medians of 7 calls of `bf16_linear` and `F.linear`, session 9): 23.7 ms for 1 row, 24.8 for 4,
-28.8 for 5, 44.6 for 8, 72 for 16 — slower there than PyTorch's native bf16 kernels (18.0, 19.1,
-19.7, 20.9, 25.0 ms), which is why `auto` leaves such machines alone. On the AVX2 VM it was
+`TORCH_EXTENSIONS_DIR`). Measured on an idle AVX-512 bf16 machine (2 threads, the same LM head,
+medians of 7 calls of `bf16_linear` and `F.linear`, session 9): 22.7 ms for 1 row, 25.2 for 4,
+24.9 for 5, 40.9 for 8, 63.0 for 16 — slower there than PyTorch's native bf16 kernels (22.2,
+16.0, 18.2, 19.9, 22.2 ms), which is why `auto` leaves such machines alone. On the AVX2 VM it was
 not timed yet (that machine was gone); its figures above are what it is meant to replace.
 
 `install(model)` routes every bf16 `nn.Linear` of an inference model through it for inputs of
