@@ -268,6 +268,16 @@ def _install_linear_backend(cfg: EvalConfig, target) -> None:
               flush=True)
 
 
+def _add_speedups(summaries: dict, calls: dict, *, per_prompt: bool) -> None:
+    """Tokens/s ratios vs each baseline; at batch 1 (a call is a prompt) also per prompt, with the
+    bootstrap interval."""
+    add_speedups(summaries, [b for b in SPEEDUP_BASELINES if b in summaries])
+    if per_prompt:
+        walls = {k: [c.wall_s for c in v] for k, v in calls.items()}
+        emitted = {k: [sum(len(q) for q in c.sequences) for c in v] for k, v in calls.items()}
+        add_prompt_speedups(summaries, walls, emitted)
+
+
 def run_eval(cfg: EvalConfig) -> Results:
     """Runs the whole evaluation described by `cfg` and writes the report; returns it."""
     from tqdm.auto import tqdm
@@ -322,11 +332,7 @@ def run_eval(cfg: EvalConfig) -> Results:
             calls.update(engine.calls_at(temp, cfg.batch_size, len(prompts)))
             reference = reference or ({p: s for c in calls.get("target", []) for p, s in zip(c.prompts, c.sequences)}
                                       if temp == 0 else None)
-        add_speedups(summaries, [b for b in SPEEDUP_BASELINES if b in summaries])
-        if cfg.batch_size == 1:
-            walls = {k: [c.wall_s for c in v] for k, v in calls.items()}
-            emitted = {k: [sum(len(q) for q in c.sequences) for c in v] for k, v in calls.items()}
-            add_prompt_speedups(summaries, walls, emitted)
+        _add_speedups(summaries, calls, per_prompt=cfg.batch_size == 1)
         for name, s in summaries.items():
             s.theory = theory(s, summaries.get("target")) if name != "target" else None
         if cfg.oracle:
