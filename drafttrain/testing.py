@@ -4,12 +4,16 @@ Used by the tests and by anyone who wants a model that runs in milliseconds. Rea
 comparison: Llama-3.1-8B has hidden 4096 / 32 layers / vocab 128256; Gemma 3 270M has hidden
 640 / 18 layers / vocab 262144. The tiny ones keep each family's quirks (Gemma's embedding
 scale and sliding-window layers, Qwen3's q/k norms) at hidden 64 and vocab 257.
+`OracleProposer` drafts a known continuation (optionally one wrong token) for verification tests.
 """
 
 from __future__ import annotations
 
 import torch
 from transformers import AutoModelForCausalLM, PretrainedConfig
+
+from drafttrain.decode import Proposer
+from drafttrain.decode.tree import chain_tree
 
 FAMILIES = ("llama", "qwen2", "qwen3", "gemma3")
 
@@ -205,3 +209,26 @@ def record_proposals(proposer) -> list[tuple[list[int], list[int]]]:
 
     proposer.propose = spy
     return seen
+
+
+class OracleProposer(Proposer):
+    """Drafts the known greedy continuation; a wrong token at depth `wrong_at` (1-based) forces
+    partial acceptance there."""
+
+    def __init__(self, prompts: list[torch.Tensor], continuations: list[list[int]], gamma: int,
+                 wrong_at: int | list[int | None] | None = None, vocab_size: int = 257):
+        self.full = [p.tolist() + c for p, c in zip(prompts, continuations)]
+        self.vocab_size = vocab_size
+        self.default_gamma = gamma
+        self.wrong_at = wrong_at if isinstance(wrong_at, list) else [wrong_at] * len(prompts)
+
+    def propose(self, state):
+        g = state.gamma or self.default_gamma
+        drafts = torch.zeros(len(state.tokens), g, dtype=torch.long)
+        for b, seq in enumerate(state.tokens):
+            cont = self.full[b][len(seq): len(seq) + g]
+            drafts[b, : len(cont)] = torch.tensor(cont, dtype=torch.long)
+            w = self.wrong_at[b]
+            if w is not None and w <= g:
+                drafts[b, w - 1] = (drafts[b, w - 1] + 1) % self.vocab_size
+        return chain_tree(state.root, drafts)

@@ -11,10 +11,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from drafttrain.decode import DraftTree, Proposer, speculative_generate
+from drafttrain.decode import speculative_generate
 from drafttrain.decode.kernels import cpu_linear
-from drafttrain.decode.tree import chain_tree
-from drafttrain.testing import tiny_target
+from drafttrain.testing import OracleProposer, tiny_target
 
 pytestmark = pytest.mark.skipif(not cpu_linear.available(), reason="needs an x86 CPU with AVX2/FMA and g++")
 
@@ -78,22 +77,6 @@ def test_backend_names_are_checked():
         cpu_linear.resolve_backend("fast", target)
 
 
-class _KnownContinuation(Proposer):
-    """Drafts a known continuation with every third draft token wrong: chains are partly accepted."""
-
-    def __init__(self, full: list[list[int]], gamma: int = 5):
-        self.full, self.default_gamma = full, gamma
-
-    def propose(self, state) -> DraftTree:
-        g = state.gamma or self.default_gamma
-        drafts = torch.zeros(len(state.tokens), g, dtype=torch.long)
-        for b, seq in enumerate(state.tokens):
-            cont = self.full[b][len(seq): len(seq) + g]
-            drafts[b, : len(cont)] = torch.tensor(cont, dtype=torch.long)
-            drafts[b, 2::3] = (drafts[b, 2::3] + 1) % 1031
-        return chain_tree(state.root, drafts)
-
-
 @pytest.mark.parametrize("fam", ["llama", "gemma3"])
 def test_decoding_through_the_kernel_gives_what_pytorchs_matmul_gives(fam):
     # bf16 target: two rows verifying chains of 5 feed 12 rows per step through the kernel,
@@ -105,7 +88,7 @@ def test_decoding_through_the_kernel_gives_what_pytorchs_matmul_gives(fam):
     torch.manual_seed(3)
     ids = torch.randint(3, 1031, (2, 9))
     plain = speculative_generate(target, None, ids, max_new_tokens=24, eos_token_id=-1)
-    prop = _KnownContinuation([ids[b].tolist() + plain.sequences[b] for b in range(2)])
+    prop = OracleProposer(list(ids), plain.sequences, gamma=5, wrong_at=3, vocab_size=1031)
     spec_aten = speculative_generate(target, prop, ids, max_new_tokens=24, eos_token_id=-1)
     assert cpu_linear.install(target) > 0
     try:

@@ -15,9 +15,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from drafttrain.decode import DraftTree, Proposer, load_proposer, speculative_generate
-from drafttrain.decode.tree import chain_tree
-from drafttrain.testing import strong_draft_lm, tiny_target
+from drafttrain.decode import load_proposer, speculative_generate
+from drafttrain.testing import OracleProposer, strong_draft_lm, tiny_target
 
 MAX_NEW = 24
 # prompt seeds whose greedy continuation (tiny targets of each family) n-gram lookup partly predicts
@@ -51,28 +50,6 @@ def left_pad(prompts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         ids[b, P - len(p):] = p
         mask[b, P - len(p):] = 1
     return ids, mask
-
-
-class OracleProposer(Proposer):
-    """Drafts the known greedy continuation; a wrong token at depth `wrong_at` (1-based) forces
-    partial acceptance there."""
-
-    def __init__(self, prompts: list[torch.Tensor], continuations: list[list[int]], gamma: int,
-                 wrong_at: int | list[int | None] | None = None):
-        self.full = [p.tolist() + c for p, c in zip(prompts, continuations)]
-        self.default_gamma = gamma
-        self.wrong_at = wrong_at if isinstance(wrong_at, list) else [wrong_at] * len(prompts)
-
-    def propose(self, state) -> DraftTree:
-        g = state.gamma or self.default_gamma
-        drafts = torch.zeros(len(state.tokens), g, dtype=torch.long)
-        for b, seq in enumerate(state.tokens):
-            cont = self.full[b][len(seq): len(seq) + g]
-            drafts[b, : len(cont)] = torch.tensor(cont, dtype=torch.long)
-            w = self.wrong_at[b]
-            if w is not None and w <= g:
-                drafts[b, w - 1] = (drafts[b, w - 1] + 1) % 257
-        return chain_tree(state.root, drafts)
 
 
 def test_target_only_matches_generate(family):
