@@ -10,8 +10,8 @@ What it does:
     ``argmax(r / E)`` or one float64 uniform for an inverse-CDF draw; both sample from an
     unnormalised distribution ``r`` (`sample_weights` takes either). Draws come either from a
     ``torch.Generator`` or are keyed by (seed, absolute position, counter, stream): uniforms from a
-    counter-based hash (the keyed emit draw is one such uniform per row: a float64 cumulative sum
-    over the vocabulary instead of V random numbers), or a row's Exp(1) vector from a generator
+    counter-based hash (the keyed emit draw is one such uniform per row, inverted through the
+    weights' cumulative sums, `inverse_cdf`, instead of V random numbers), or a row's Exp(1) vector from a generator
     seeded by its key (what the fused GPU kernel consumes). Keyed draws make outputs independent
     of batch composition.
 
