@@ -260,12 +260,13 @@ def _install_linear_backend(cfg: EvalConfig, target) -> None:
         backend = cpu_linear.resolve_backend(cfg.linear_backend, target)
     except ValueError as e:
         raise EvalError(str(e)) from None
-    if backend == "avx2":
+    if backend != "aten":
         t0 = time.perf_counter()
-        n = cpu_linear.install(target)
-        print(f"linear_backend={cfg.linear_backend}: {n} bf16 linear layers of the target run through the AVX2 "
-              f"kernel for decode steps (ready in {time.perf_counter() - t0:.1f} s; linear_backend=aten: PyTorch's)",
-              flush=True)
+        n = cpu_linear.install(target, backend)
+        k = cpu_linear.KERNELS[backend]
+        print(f"linear_backend={cfg.linear_backend}: {n} bf16 linear layers of the target run through the "
+              f"{backend.upper()} kernel for decode steps of {k.min_rows}-{k.max_rows} rows (ready in "
+              f"{time.perf_counter() - t0:.1f} s; linear_backend=aten: PyTorch's)", flush=True)
 
 
 def _add_speedups(summaries: dict, calls: dict, *, per_prompt: bool) -> None:

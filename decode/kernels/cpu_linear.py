@@ -1,36 +1,43 @@
-"""A bf16 linear layer for verification steps on CPUs without native bf16 matmuls.
+"""bf16 linear layers for decode steps on CPUs where PyTorch's bf16 matmul is slow for few rows.
 
 Why: a decode step multiplies a few rows (batch × tokens fed: 1 for target-only decoding, γ + 1
-for verifying a chain) by every weight matrix. On x86 CPUs with AVX2 but no AVX-512 bf16 (AMD
-EPYC before Zen 4, many VMs), PyTorch's bf16 matmul for more than one row is compute-bound:
-session 8 measured the Gemma 3 LM head (262,144 × 640) at 19.8 ms for one row, 70 ms for four,
-88 ms for five and 282 ms for sixteen on such a 2-core VM (2 threads). Verifying five tokens then
-costs about 3.5× a target step, and no drafter can pay for itself there.
+for verifying a chain) by every weight matrix, so it should run at the speed memory delivers the
+weights. PyTorch's bf16 kernels fall short of that in two ways. On x86 CPUs with AVX2 but no
+AVX-512 bf16 (AMD EPYC before Zen 4, many VMs) its bf16 matmul for more than one row is
+compute-bound: session 8 measured the Gemma 3 LM head (262,144 × 640) at 19.8 ms for one row, 70 ms
+for four, 88 ms for five and 282 ms for sixteen on such a 2-core VM (2 threads). On an Intel Xeon
+with AVX-512 bf16 and AMX (session 10, 2 threads, 13 GB/s fp32 read bandwidth) it reads memory at
+half speed for few rows, and each small matmul pays ~0.1 ms of fixed cost: the LM head takes 45-60
+ms for one row where 26 ms is the bandwidth's limit, and the 126 matmuls of Gemma 3 270M's 18
+layers (200 MB) 35 ms where the AVX-512 kernel here takes 19 ms (`bench/decode_profile.py`).
 
-What: `bf16_linear(x, w, bias)` computes ``x @ w.T (+ bias)`` for bf16 ``w`` and up to
-`MAX_ROWS` rows of ``x``, reading each weight row once for all rows: bf16 → fp32 in registers
-(a 16-bit shift), fp32 FMAs, fp32 sums, the result rounded to ``x``'s dtype. A small C++
-extension (AVX2 + FMA, `at::parallel_for` over weight rows, so `torch.set_num_threads` holds),
-compiled once per machine by `torch.utils.cpp_extension` into its cache (~40 s;
-`TORCH_EXTENSIONS_DIR`). Measured on an idle AVX-512 bf16 machine (2 threads, the same LM head,
-medians of 7 calls of `bf16_linear` and `F.linear`, session 9): 22.7 ms for 1 row, 25.2 for 4,
-24.9 for 5, 40.9 for 8, 63.0 for 16 — slower there than PyTorch's native bf16 kernels (22.2,
-16.0, 18.2, 19.9, 22.2 ms), which is why `auto` leaves such machines alone. On the AVX2 VM it was
-not timed yet (that machine was gone); its figures above are what it is meant to replace.
+What: `bf16_linear(x, w, bias)` computes ``x @ w.T (+ bias)`` for bf16 ``w`` and a few rows of
+``x``, reading each weight row once for all rows and summing in fp32. Two small C++ extensions
+(`at::parallel_for` over weight rows, so `torch.set_num_threads` holds), each compiled once per
+machine by `torch.utils.cpp_extension` into its cache (~1 min; `TORCH_EXTENSIONS_DIR`):
 
-`install(model)` routes every bf16 `nn.Linear` of an inference model through it for inputs of
-`MIN_ROWS` to `MAX_ROWS` rows (one row keeps PyTorch's matrix-vector kernel, which is
-memory-bound already; prefill keeps PyTorch's matmul); `uninstall(model)` undoes it. The
-decoder installs it for bf16 targets on CPUs with AVX2 and without AVX-512 bf16 or AMX
-(`linear_backend=auto`), or when asked (`linear_backend=avx2`).
+- ``avx2``: bf16 → fp32 in registers (a 16-bit shift), fp32 FMAs; for 2 … 16 rows. On the AVX-512
+  bf16 AMD EPYC of session 9 it was slower than PyTorch's native kernels (22.7 vs 22.2 ms for 1
+  row, 24.9 vs 18.2 for 5), so `auto` uses it only on CPUs without AVX-512 bf16 / AMX.
+- ``avx512``: ``vdpbf16ps`` (pairs of bf16 products summed into fp32 lanes, 32 weights per
+  instruction, masked loads for the tail); for 1 … 4 rows, where it beats PyTorch on the Xeon
+  above (all 18 layers' matmuls cold from memory, medians of 7: 1 row 19.1 vs 35.2 ms, 4 rows 23.1
+  vs 34.0; the LM head 30.4 vs 45.5 ms for 1 row, 41.0 vs 46.3 for 4; from 6 rows on PyTorch's
+  AMX path ties or wins). `auto` picks it on CPUs with AVX-512 bf16.
 
-Numerics: fp32 accumulation of exact fp32 products, in another order than PyTorch's kernel, then
-one rounding to bf16, so outputs differ from PyTorch's by bf16 rounding at most; the tests check
-that decoding a bf16 target through it gives what PyTorch's matmul gives. Float32 models are never
-touched (greedy output in float32 equals the target's own exactly, as before).
+`install(model, backend)` routes every bf16 `nn.Linear` of an inference model through a kernel for
+inputs in its row range (larger inputs, prefill included, keep PyTorch's matmul);
+`uninstall(model)` undoes it. The decoder's callers (`drafttrain eval`, the bench scripts) install
+it for bf16 targets on CPU as `linear_backend=auto` resolves, or when asked.
 
-Deliberately not here: backward (inference only), AVX-512 / AMX paths (PyTorch's own kernels are
-fast there), quantised weights, GPUs.
+Numerics: fp32 accumulation of exact products (a bf16 × bf16 product is exact in fp32), in another
+order than PyTorch's kernel, then one rounding to ``x``'s dtype, so outputs differ from PyTorch's
+by bf16 rounding at most (``vdpbf16ps`` also treats bf16 subnormal inputs as zero); the tests check
+exact sums and that decoding a bf16 target through each kernel gives what PyTorch's matmul gives.
+Float32 models are never touched (greedy output in float32 equals the target's own exactly).
+
+Deliberately not here: backward (inference only), AMX tiles (PyTorch's own AMX path is good from
+~6 rows on), quantised weights, GPUs.
 """
 
 from __future__ import annotations
@@ -44,16 +51,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["MIN_ROWS", "MAX_ROWS", "routes", "BACKENDS", "available", "bf16_linear", "install", "is_installed", "paused", "uninstall", "resolve_backend",
-           "wants_avx2_linear"]
+__all__ = ["KERNELS", "routes", "BACKENDS", "available", "bf16_linear", "install", "is_installed", "paused",
+           "uninstall", "resolve_backend", "wants_avx2_linear", "wants_avx512_linear"]
 
-#: rows (batch × tokens) from which and up to which the kernel runs; one row keeps PyTorch's
-#: matrix-vector kernel (memory-bound already: 19.8 ms for the LM head on the AVX2 VM),
-#: beyond MAX_ROWS PyTorch's matmul (compute-bound work)
-MIN_ROWS, MAX_ROWS = 2, 16
-BACKENDS = ("auto", "aten", "avx2")
+BACKENDS = ("auto", "aten", "avx2", "avx512")
 
-_SOURCE = r"""
+_AVX2_SOURCE = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -136,8 +139,101 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 }
 """
 
+_AVX512_SOURCE = r"""
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <cstdint>
+
+// y[m, o + r] = sum_k x[m, k] * w[o + r, k] for r < R and rows m0 .. m0 + MT of x: each 64-byte
+// chunk of a weight row is loaded once for all MT rows; vdpbf16ps sums bf16 pairs into fp32.
+template <int R, int MT>
+static inline void tile(const uint16_t* x, const uint16_t* w, float* y, int64_t K, int64_t O,
+                        int64_t o, int64_t m0) {
+    __m512 acc[R][MT];
+    for (int r = 0; r < R; ++r)
+        for (int m = 0; m < MT; ++m) acc[r][m] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 32) {
+        const __mmask32 mask = (K - k >= 32) ? (__mmask32)0xFFFFFFFFu : (__mmask32)((1u << (K - k)) - 1u);
+        __m512bh xv[MT];
+        for (int m = 0; m < MT; ++m)
+            xv[m] = (__m512bh)_mm512_maskz_loadu_epi16(mask, x + (m0 + m) * K + k);
+        for (int r = 0; r < R; ++r) {
+            __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(mask, w + (o + r) * K + k);
+            for (int m = 0; m < MT; ++m) acc[r][m] = _mm512_dpbf16_ps(acc[r][m], wv, xv[m]);
+        }
+    }
+    for (int r = 0; r < R; ++r)
+        for (int m = 0; m < MT; ++m) y[(m0 + m) * O + o + r] = _mm512_reduce_add_ps(acc[r][m]);
+}
+
+template <int R>
+static inline void weight_rows(const uint16_t* x, const uint16_t* w, float* y, int64_t K, int64_t O,
+                               int64_t M, int64_t o) {
+    int64_t m = 0;
+    for (; m + 4 <= M; m += 4) tile<R, 4>(x, w, y, K, O, o, m);
+    for (; m + 2 <= M; m += 2) tile<R, 2>(x, w, y, K, O, o, m);
+    for (; m < M; ++m) tile<R, 1>(x, w, y, K, O, o, m);
+}
+
+torch::Tensor bf16_linear_bf16x(torch::Tensor x, torch::Tensor w) {
+    TORCH_CHECK(x.dtype() == torch::kBFloat16 && x.is_contiguous() && x.dim() == 2, "x: contiguous bf16 [M, K]");
+    TORCH_CHECK(w.dtype() == torch::kBFloat16 && w.is_contiguous() && w.dim() == 2, "w: contiguous bf16 [O, K]");
+    const int64_t M = x.size(0), K = x.size(1), O = w.size(0);
+    TORCH_CHECK(w.size(1) == K, "x and w disagree on K");
+    auto y = torch::empty({M, O}, x.options().dtype(torch::kFloat32));
+    const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+    const uint16_t* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
+    float* yp = y.data_ptr<float>();
+    const int64_t quads = O / 4;
+    at::parallel_for(0, quads, 16, [&](int64_t begin, int64_t end) {
+        for (int64_t q = begin; q < end; ++q) weight_rows<4>(xp, wp, yp, K, O, M, 4 * q);
+    });
+    for (int64_t o = 4 * quads; o < O; ++o) weight_rows<1>(xp, wp, yp, K, O, M, o);
+    return y;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+    m.def("bf16_linear_bf16x", &bf16_linear_bf16x, "x bf16 [M, K] @ w bf16 [O, K]^T -> fp32 [M, O]");
+}
+"""
+
+
+class _Kernel:
+    """One compiled kernel: its source, the CPU flags it needs and the rows it serves."""
+
+    def __init__(self, name: str, source: str, flags: set[str], cflags: list[str], rows: tuple[int, int]):
+        self.name, self.source, self.flags, self.cflags = name, source, flags, cflags
+        self.min_rows, self.max_rows = rows
+        self._ext = None
+
+    def load(self):
+        with _lock:
+            if self._ext is None:
+                from torch.utils.cpp_extension import load_inline
+
+                self._ext = load_inline(name=f"drafttrain_bf16_linear_{self.name}", cpp_sources=[self.source],
+                                        functions=None, extra_cflags=["-O3", *self.cflags, "-fopenmp"],
+                                        extra_ldflags=["-fopenmp"], verbose=False)
+            return self._ext
+
+    def __call__(self, flat: Tensor, w: Tensor) -> Tensor:
+        """[M, K] rows (any float dtype) @ bf16 w [O, K]^T -> fp32 [M, O]."""
+        if self.name == "avx2":
+            return self.load().bf16_linear_f32(flat.float().contiguous(), w.contiguous())
+        return self.load().bf16_linear_bf16x(flat.to(torch.bfloat16).contiguous(), w.contiguous())
+
+
 _lock = threading.Lock()
-_ext = None
+
+#: the kernels by backend name; `min_rows` / `max_rows`: the inputs each serves (one row keeps
+#: PyTorch's matrix-vector kernel under avx2, memory-bound there already; beyond `max_rows`
+#: PyTorch's matmul, whose AMX / AVX-512 paths win on compute-bound work)
+KERNELS = {
+    "avx2": _Kernel("avx2", _AVX2_SOURCE, {"avx2", "fma"}, ["-mavx2", "-mfma"], (2, 16)),
+    "avx512": _Kernel("avx512", _AVX512_SOURCE, {"avx512f", "avx512bw", "avx512_bf16"},
+                      ["-mavx512f", "-mavx512bw", "-mavx512bf16"], (1, 4)),
+}
 
 
 def _cpu_flags() -> set[str]:
@@ -151,63 +247,58 @@ def _cpu_flags() -> set[str]:
     return set()
 
 
-def available() -> bool:
-    """Whether this CPU can run the kernel (x86 with AVX2 and FMA) and a C++ compiler is found."""
-    flags = _cpu_flags()
-    if not {"avx2", "fma"} <= flags:
+def available(backend: str = "avx2") -> bool:
+    """Whether this CPU can run `backend`'s kernel (its x86 flags) and a C++ compiler is found."""
+    if not KERNELS[backend].flags <= _cpu_flags():
         return False
     from shutil import which
 
     return which(os.environ.get("CXX", "c++")) is not None or which("g++") is not None
 
 
+def wants_avx512_linear() -> bool:
+    """`auto`'s first choice: the AVX-512 bf16 kernel wherever the CPU has AVX-512 bf16."""
+    return available("avx512")
+
+
 def wants_avx2_linear() -> bool:
-    """`auto`'s rule: the kernel where PyTorch's bf16 matmul is slow (AVX2, no AVX-512 bf16 / AMX)."""
-    flags = _cpu_flags()
-    return available() and not ({"avx512_bf16", "amx_bf16"} & flags)
+    """`auto`'s rule for the AVX2 kernel: where PyTorch's bf16 matmul is slow (AVX2, no AVX-512 bf16 / AMX)."""
+    return available("avx2") and not ({"avx512_bf16", "amx_bf16"} & _cpu_flags())
 
 
 def resolve_backend(backend: str, model: nn.Module) -> str:
-    """"aten" or "avx2" for decoding with `model`.
+    """"aten", "avx2" or "avx512" for decoding with `model`.
 
     Raises:
-        ValueError: an unknown backend, or "avx2" where the CPU or compiler cannot run it.
+        ValueError: an unknown backend, or a kernel the CPU or compiler cannot run.
     """
     if backend not in BACKENDS:
         raise ValueError(f"linear_backend must be one of {BACKENDS}, got {backend!r}")
     param = next(model.parameters())
     if backend == "aten":
         return "aten"
-    if backend == "avx2":
-        if not available():
-            raise ValueError("linear_backend=avx2 needs an x86 CPU with AVX2 and FMA and a C++ compiler "
-                             "(g++); use linear_backend=aten")
-        return "avx2"
-    suited = param.device.type == "cpu" and param.dtype == torch.bfloat16 and wants_avx2_linear()
-    return "avx2" if suited else "aten"
+    if backend in KERNELS:
+        if not available(backend):
+            need = "/".join(sorted(KERNELS[backend].flags))
+            raise ValueError(f"linear_backend={backend} needs an x86 CPU with {need} and a C++ compiler "
+                             "(g++); use linear_backend=aten or auto")
+        return backend
+    if not (param.device.type == "cpu" and param.dtype == torch.bfloat16):
+        return "aten"
+    if wants_avx512_linear():
+        return "avx512"
+    return "avx2" if wants_avx2_linear() else "aten"
 
 
-def _load():
-    global _ext
-    with _lock:
-        if _ext is None:
-            from torch.utils.cpp_extension import load_inline
-
-            _ext = load_inline(name="drafttrain_bf16_linear", cpp_sources=[_SOURCE], functions=None,
-                               extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"],
-                               extra_ldflags=["-fopenmp"], verbose=False)
-        return _ext
-
-
-def bf16_linear(x: Tensor, w: Tensor, bias: Tensor | None = None) -> Tensor:
-    """``F.linear(x, w, bias)`` for bf16 ``w`` [O, K] and at most `MAX_ROWS` rows of ``x`` [..., K].
+def bf16_linear(x: Tensor, w: Tensor, bias: Tensor | None = None, backend: str = "avx2") -> Tensor:
+    """``F.linear(x, w, bias)`` for bf16 ``w`` [O, K] and a few rows of ``x`` [..., K] (the
+    kernel's row range; more rows work, slowly).
 
     Returns a tensor of ``x``'s dtype and shape [..., O]. The first call compiles the extension
     (about a minute, once per machine).
     """
     lead = x.shape[:-1]
-    flat = x.reshape(-1, x.shape[-1]).float().contiguous()
-    y = _load().bf16_linear_f32(flat, w.contiguous())
+    y = KERNELS[backend](x.reshape(-1, x.shape[-1]), w)
     if bias is not None:
         y = y + bias.float()
     return y.to(x.dtype).view(*lead, w.shape[0])
@@ -216,52 +307,55 @@ def bf16_linear(x: Tensor, w: Tensor, bias: Tensor | None = None) -> Tensor:
 class _Forward:
     """The replacement `forward` of one nn.Linear: the kernel for small inputs, PyTorch's otherwise."""
 
-    def __init__(self, module: nn.Linear):
-        self.module = module
+    def __init__(self, module: nn.Linear, backend: str):
+        self.module, self.backend = module, backend
+        k = KERNELS[backend]
+        self.min_rows, self.max_rows = k.min_rows, k.max_rows
 
     def __call__(self, x: Tensor) -> Tensor:
         mod = self.module
         rows = x.numel() // x.shape[-1] if x.numel() else 0
-        if MIN_ROWS <= rows <= MAX_ROWS and not torch.is_grad_enabled() and x.device.type == "cpu":
-            return bf16_linear(x, mod.weight, mod.bias)
+        if self.min_rows <= rows <= self.max_rows and not torch.is_grad_enabled() and x.device.type == "cpu":
+            return bf16_linear(x, mod.weight, mod.bias, self.backend)
         return F.linear(x, mod.weight, mod.bias)
 
 
 def routes(module: nn.Module, rows: int) -> bool:
-    """Whether an input of `rows` rows to `module` runs through the kernel (installed, in range)."""
-    return is_installed(module) and MIN_ROWS <= rows <= MAX_ROWS
+    """Whether an input of `rows` rows to `module` runs through a kernel (installed, in range)."""
+    fwd = vars(module).get("forward")
+    return isinstance(fwd, _Forward) and fwd.min_rows <= rows <= fwd.max_rows
 
 
-def install(model: nn.Module) -> int:
-    """Routes each bf16 nn.Linear of `model` through the kernel for small inputs; returns how many.
+def install(model: nn.Module, backend: str = "avx2") -> int:
+    """Routes each bf16 nn.Linear of `model` through `backend`'s kernel for small inputs; returns how many.
 
     Compiles the extension now (not at the first step), so its one-time cost is paid up front.
     """
-    _load()
+    KERNELS[backend].load()
     n = 0
     for mod in model.modules():
         if isinstance(mod, nn.Linear) and mod.weight.dtype == torch.bfloat16 and "forward" not in vars(mod):
-            mod.forward = _Forward(mod)
+            mod.forward = _Forward(mod, backend)
             n += 1
     return n
 
 
 def is_installed(module: nn.Module) -> bool:
-    """Whether `install` routed this module through the kernel."""
+    """Whether `install` routed this module through a kernel."""
     return isinstance(vars(module).get("forward"), _Forward)
 
 
 @contextmanager
 def paused(model: nn.Module):
     """PyTorch's forward on every module `install` changed, for the duration of the block."""
-    mods = [m for m in model.modules() if is_installed(m)]
-    for m in mods:
+    saved = [(m, vars(m)["forward"]) for m in model.modules() if is_installed(m)]
+    for m, _ in saved:
         del m.forward
     try:
         yield
     finally:
-        for m in mods:
-            m.forward = _Forward(m)
+        for m, fwd in saved:
+            m.forward = fwd
 
 
 def uninstall(model: nn.Module) -> None:
