@@ -167,11 +167,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     model, tok, _ = load_target(args.target, dtype=args.dtype)
     model.eval()
-    backend = cpu_linear.resolve_backend(args.linear_backend, model)
-    if backend != "aten":
-        t = time.perf_counter()
-        cpu_linear.install(model, backend)
-        print(f"linear layers: the {backend.upper()} bf16 kernel (ready in {time.perf_counter() - t:.1f} s)")
+    print(cpu_linear.setup(model, args.linear_backend))
     torch.manual_seed(0)
     bw = read_bandwidth_gbs()
     wbytes = weight_bytes(model)

@@ -1,6 +1,6 @@
 """Cost model: how long the target's verification forward and each drafter's step take, here.
 
-Measured once per (target, device, dtype, torch threads, torch version) and cached as JSON, it
+Measured once per (target, device, dtype, torch threads, torch version, linear kernel) and cached as JSON, it
 answers two questions for adaptive speculation (proposers/scheduler.py) and the evaluation's oracle:
 
     verify_time(batch, tokens)   ms of one target forward over `tokens` new tokens per row, for
@@ -43,6 +43,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from drafttrain.decode.kernels.cpu_linear import installed_backend
 from drafttrain.decode.proposers.base import Proposer, proposer_key
 
 __all__ = ["CostModel", "measure_cost_model", "load_or_measure", "proposer_key", "FREE_PROPOSERS",
@@ -242,11 +243,14 @@ def _identity(target: nn.Module) -> dict:
     return {"target": getattr(target.config, "_name_or_path", "") or target.config.model_type,
             "model_type": target.config.model_type, "config_hash": config_hash,
             "params": sum(q.numel() for q in target.parameters()), "dtype": str(p.dtype).replace("torch.", ""),
-            "device": _device_name(p.device), "threads": torch.get_num_threads(), "torch": torch.__version__}
+            "device": _device_name(p.device), "threads": torch.get_num_threads(), "torch": torch.__version__,
+            "linear": installed_backend(target)}
 
 
 def _cache_file(identity: dict, cache_dir: str | Path) -> Path:
     keyed = {k: identity[k] for k in ("config_hash", "params", "dtype", "device", "threads", "torch")}
+    if identity.get("linear", "aten") != "aten":  # a kernel changes every step's cost (aten: the old key)
+        keyed["linear"] = identity["linear"]
     digest = hashlib.sha256(json.dumps(keyed, sort_keys=True).encode()).hexdigest()[:16]
     return Path(cache_dir).expanduser() / f"{identity['model_type']}-{digest}.json"
 

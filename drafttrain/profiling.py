@@ -36,6 +36,7 @@ class ProfileConfig:
     cache_dir: str = field_("", help="cost model cache folder; '' = $DRAFTTRAIN_CACHE/costs or ~/.cache/drafttrain/costs")
     refresh: bool = field_(False, help="re-measure even when the cache has it")
     progress: bool = field_(True, help="show a progress bar with ETA")
+    linear_backend: str = field_("auto", help="the target's linear layers, as in `drafttrain eval` (part of the cache key): auto, aten, avx2, avx512", choices=("auto", "aten", "avx2", "avx512"))
 
     def __post_init__(self) -> None:
         if not self.batch_sizes or not self.tokens or min(self.batch_sizes) < 1 or min(self.tokens) < 1:
@@ -87,6 +88,7 @@ def run_profile(cfg: ProfileConfig):
 
     from drafttrain.decode import load_proposer
     from drafttrain.decode.costmodel import load_or_measure, proposer_key
+    from drafttrain.decode.kernels import cpu_linear
     from drafttrain.decode.proposers import check_specs
     from drafttrain.targets import load_target
 
@@ -95,6 +97,10 @@ def run_profile(cfg: ProfileConfig):
         torch.set_num_threads(cfg.threads)
     device = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     target, tokenizer, _ = load_target(cfg.target, dtype=cfg.dtype, device=device)
+    try:
+        print(cpu_linear.setup(target, cfg.linear_backend), flush=True)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     proposers = {}
     for spec in cfg.proposers:
         try:

@@ -257,16 +257,11 @@ def _install_linear_backend(cfg: EvalConfig, target) -> None:
     from drafttrain.decode.kernels import cpu_linear
 
     try:
-        backend = cpu_linear.resolve_backend(cfg.linear_backend, target)
+        line = cpu_linear.setup(target, cfg.linear_backend)
     except ValueError as e:
         raise EvalError(str(e)) from None
-    if backend != "aten":
-        t0 = time.perf_counter()
-        n = cpu_linear.install(target, backend)
-        k = cpu_linear.KERNELS[backend]
-        print(f"linear_backend={cfg.linear_backend}: {n} bf16 linear layers of the target run through the "
-              f"{backend.upper()} kernel for decode steps of {k.min_rows}-{k.max_rows} rows (ready in "
-              f"{time.perf_counter() - t0:.1f} s; linear_backend=aten: PyTorch's)", flush=True)
+    if cpu_linear.installed_backend(target) != "aten":
+        print(line, flush=True)
 
 
 def _add_speedups(summaries: dict, calls: dict, *, per_prompt: bool) -> None:

@@ -51,7 +51,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["KERNELS", "routes", "BACKENDS", "available", "bf16_linear", "install", "is_installed", "paused",
+__all__ = ["KERNELS", "routes", "BACKENDS", "available", "bf16_linear", "install", "installed_backend", "setup", "is_installed", "paused",
            "uninstall", "resolve_backend", "wants_avx2_linear", "wants_avx512_linear"]
 
 BACKENDS = ("auto", "aten", "avx2", "avx512")
@@ -338,6 +338,34 @@ def install(model: nn.Module, backend: str = "avx2") -> int:
             mod.forward = _Forward(mod, backend)
             n += 1
     return n
+
+
+def setup(model: nn.Module, backend: str = "auto") -> str:
+    """Resolves `backend` for `model` and installs its kernel; returns one line saying what runs.
+
+    Raises:
+        ValueError: as `resolve_backend`.
+    """
+    import time
+
+    name = resolve_backend(backend, model)
+    if name == "aten":
+        return f"linear_backend={backend}: PyTorch's matmul for every linear layer of the target"
+    t0 = time.perf_counter()
+    n = install(model, name)
+    k = KERNELS[name]
+    return (f"linear_backend={backend}: {n} bf16 linear layers of the target run through the {name.upper()} kernel "
+            f"for decode steps of {k.min_rows}-{k.max_rows} rows (ready in {time.perf_counter() - t0:.1f} s; "
+            "linear_backend=aten: PyTorch's)")
+
+
+def installed_backend(model: nn.Module) -> str:
+    """The kernel `install` routed `model`'s linear layers through ("avx2", "avx512"), or "aten"."""
+    for mod in model.modules():
+        fwd = vars(mod).get("forward")
+        if isinstance(fwd, _Forward):
+            return fwd.backend
+    return "aten"
 
 
 def is_installed(module: nn.Module) -> bool:

@@ -106,3 +106,24 @@ def test_cost_model_cache_follows_drafttrain_cache(monkeypatch, tmp_path):
     assert default_cache_dir() == tmp_path / "costs"
     monkeypatch.delenv("DRAFTTRAIN_CACHE")
     assert default_cache_dir() == Path("~/.cache/drafttrain/costs").expanduser()
+
+
+def test_a_linear_kernel_gets_its_own_cost_model_cache_file():
+    # the kernel changes every step's cost, so a cost model measured with PyTorch's matmul must not
+    # answer for a target routed through a kernel (and the aten key stays what older caches used)
+    import torch
+
+    from drafttrain.decode.kernels import cpu_linear
+
+    target = tiny_target("llama", dtype=torch.bfloat16, vocab_size=300)
+    plain = costmodel_module._identity(target)
+    assert plain["linear"] == "aten"
+    runnable = [b for b in cpu_linear.KERNELS if cpu_linear.available(b)]
+    if not runnable:
+        pytest.skip("no bf16 linear kernel runs on this CPU")
+    cpu_linear.install(target, runnable[0])
+    routed = costmodel_module._identity(target)
+    assert routed["linear"] == runnable[0]
+    assert costmodel_module._cache_file(routed, "c") != costmodel_module._cache_file(plain, "c")
+    old_key = {k: plain[k] for k in ("config_hash", "params", "dtype", "device", "threads", "torch", "model_type")}
+    assert costmodel_module._cache_file(old_key, "c") == costmodel_module._cache_file(plain, "c")
