@@ -51,10 +51,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from drafttrain.config import LINEAR_BACKENDS
+
 __all__ = ["KERNELS", "routes", "BACKENDS", "available", "bf16_linear", "install", "installed_backend", "setup", "is_installed", "paused",
            "uninstall", "resolve_backend", "wants_avx2_linear", "wants_avx512_linear"]
 
-BACKENDS = ("auto", "aten", "avx2", "avx512")
+BACKENDS = LINEAR_BACKENDS
 
 _AVX2_SOURCE = r"""
 #include <torch/extension.h>
