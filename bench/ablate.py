@@ -35,6 +35,8 @@ ROWS: dict[str, tuple[str, list[str]]] = {
     "griffin": ("GRIFFIN: train step k only where steps < k agreed", ["drafter.alignable_only=true"]),
     "assistant": ("assistant tokens only instead of every token", ["drafter.positions=assistant"]),
     "ttt3": ("3 unroll steps instead of 7", ["drafter.ttt_steps=3"]),
+    "rawfeat": ("fc over the raw target features (no per-dimension scale; the recipe before session 13)",
+                ["drafter.feature_scale=false"]),
 }
 METRICS = ("eval/acc_0", "eval/acc_1", "eval/acc_2", "eval/accept_t1_0", "eval/accept_t1_1", "eval/tau_sim")
 

@@ -89,10 +89,12 @@ def load_module_folder(path: str | Path, build, target=None, *, map_location: st
 
 
 def save_module_weights(module, folder: str | Path, dtype=None) -> Path:
-    """The module's state dict (floats cast to `dtype` when given) as folder/model.safetensors."""
+    """The module's state dict (floats cast to `dtype` when given) as folder/model.safetensors; a
+    module with `folded_state_dict` (an EAGLE-3 drafter trained on scaled features) saves that."""
     from safetensors.torch import save_file
 
-    sd = {k: v.detach().contiguous() for k, v in module.state_dict().items()}
+    state = module.folded_state_dict() if hasattr(module, "folded_state_dict") else module.state_dict()
+    sd = {k: v.detach().contiguous() for k, v in state.items()}
     if dtype is not None:
         sd = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in sd.items()}
     path = Path(folder) / "model.safetensors"

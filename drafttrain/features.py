@@ -69,6 +69,31 @@ def target_features(target, input_ids: Tensor, attention_mask: Tensor | None, sp
     return {"aux": aux, "final": final}
 
 
+@torch.no_grad()
+def feature_scale(target, records, spec: FeatureSpec, *, num_records: int = 16) -> Tensor:
+    """[A*H] per-dimension input scale for a drafter's fc over the concatenated aux features.
+
+    Decoder-layer outputs carry a few massive dimensions (Gemma 3 270M: one dimension of layer
+    15 averages ~22,000 where the layer's median is ~190; such dimensions hold no token
+    information), so a plain fc over the raw features is ill-conditioned: Adam moves every
+    weight by ~lr, and on an outlier column that step moves the output by thousands, while the
+    informative dimensions drown. Each layer's block is scaled by 1 / its median RMS and every
+    dimension above that median down to unit RMS, measured on the first `num_records` training
+    records: the informative dimensions come out O(1), the outliers no larger. The scale is a
+    fixed reparametrisation, folded into fc.weight whenever the drafter is saved.
+    """
+    p = next(target.parameters())
+    rows = []
+    for r in list(records)[:num_records]:
+        ids = torch.tensor(r["input_ids"], dtype=torch.long, device=p.device)[None]
+        rows.append(target_features(target, ids, None, spec)["aux"][0].float())
+    aux = torch.cat(rows)  # [N, A*H]
+    rms = aux.pow(2).mean(0).sqrt()
+    blocks = rms.view(max(len(spec.aux_layer_ids), 1), -1)
+    floor = blocks.median(dim=1, keepdim=True).values.clamp(min=1e-6)
+    return (1.0 / torch.maximum(blocks, floor)).reshape(-1).cpu()
+
+
 def lm_head_weight(target) -> Tensor:
     return target.get_output_embeddings().weight
 

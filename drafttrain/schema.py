@@ -21,6 +21,7 @@ class DrafterSettings:
     draft_vocab_size: int = field_(32000, help="EAGLE-3 reduced draft vocabulary (most frequent loss-masked tokens); 0 = full target vocab")
     aux_layer_ids: list[int] = field_(default_factory=list, help="target hidden_states indices fused by EAGLE-3 (0 = embeddings, j = output of layer j-1); empty = {2, N/2, N-3}")
     mask_out_of_vocab: bool = field_(True, help="EAGLE-3: drop positions whose target argmax is outside the draft vocab (costs one full-vocab LM-head pass per token)")
+    feature_scale: bool = field_(True, help="EAGLE-3: fc reads the target's features scaled per dimension (each layer by its median RMS, massive dimensions to unit RMS), measured on 16 training records and folded into fc.weight on save")
     ttt_steps: int = field_(7, help="EAGLE-3 training-time-test unroll length")
     step_weight: float = field_(0.8, help="loss weight decay per unroll step (weight = step_weight**k)")
     objective: str = field_("ce", help="EAGLE-3 per-step objective against the target over the draft vocab: soft cross-entropy, total variation (= the rejection probability of speculative sampling), or their sum", choices=("ce", "tv", "ce+tv"))

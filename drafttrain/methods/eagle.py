@@ -43,7 +43,12 @@ class EagleMethod(DrafterMethod):
             raise TrainingError(f"drafter.aux_layer_ids {bad} out of range: the target has hidden_states "
                                 f"0..{tcfg.num_hidden_layers}")
         drafter = EagleDrafter(ecfg)
-        return drafter, self.wire(drafter, cfg, target, train_ds, device)
+        coverage = self.wire(drafter, cfg, target, train_ds, device)
+        if self.fused and cfg.drafter.feature_scale and len(train_ds):
+            from drafttrain.features import feature_scale
+
+            drafter.set_feature_scale(feature_scale(target, train_ds, self.feature_spec(cfg, drafter, 0)))
+        return drafter, coverage
 
     def feature_spec(self, cfg, drafter: nn.Module | None, num_layers: int) -> FeatureSpec:
         if drafter is not None:

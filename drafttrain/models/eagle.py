@@ -285,12 +285,16 @@ class EagleDrafter(DraftVocab, nn.Module):
         if eagle3:
             self.norm = RMSNorm(H, cfg.rms_norm_eps)
             self.lm_head = nn.Linear(H, cfg.draft_vocab_size, bias=False)
+        # EAGLE-3 training only: fc reads aux * aux_scale (features.feature_scale); never saved,
+        # folded into fc.weight by `folded_state_dict`, so saved folders and engines see plain fc.
+        self.register_buffer("aux_scale", torch.ones(cfg.num_aux * H if eagle3 else 0), persistent=False)
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.ones(cfg.vocab_size, dtype=torch.bool))
         # Not submodules: never saved, never trained, never moved by .to() on the drafter.
         self._target_embed: list[nn.Module] = []
         self._target_head: list[nn.Module] = []
         self.ttt_chunk = TTT_QUERY_CHUNK  # training only; not saved
+        self._scaled = False  # aux_scale differs from 1
 
     # ---- wiring -------------------------------------------------------------------------------
     def attach_target(self, target: nn.Module) -> EagleDrafter:
@@ -316,7 +320,26 @@ class EagleDrafter(DraftVocab, nn.Module):
     # ---- compute ------------------------------------------------------------------------------
     def fuse(self, aux_hidden: Tensor) -> Tensor:
         """[B, T, num_aux * H] target features -> [B, T, H] (EAGLE-1: identity)."""
-        return self.fc(aux_hidden) if self.cfg.fused else aux_hidden
+        if not self.cfg.fused:
+            return aux_hidden
+        if self._scaled:
+            aux_hidden = aux_hidden * self.aux_scale.to(aux_hidden.dtype)
+        return self.fc(aux_hidden)
+
+    def set_feature_scale(self, scale: Tensor) -> None:
+        """Train fc on aux * scale (EAGLE-3; see drafttrain.features.feature_scale)."""
+        if not self.cfg.fused or scale.shape != self.aux_scale.shape:
+            raise ValueError(f"feature scale of shape {tuple(scale.shape)} does not fit this drafter's fc "
+                             f"({tuple(self.aux_scale.shape)})")
+        self.aux_scale.copy_(scale)
+        self._scaled = bool((scale != 1).any())
+
+    def folded_state_dict(self) -> dict[str, Tensor]:
+        """The state dict to save: fc.weight times the feature scale (the same function, plain fc)."""
+        sd = self.state_dict()
+        if self._scaled:
+            sd["fc.weight"] = sd["fc.weight"] * self.aux_scale.to(sd["fc.weight"])[None, :]
+        return sd
 
     def _layer_input(self, input_ids: Tensor, hidden: Tensor) -> tuple[Tensor, Tensor]:
         """Returns (attention input [B,T,2H or H], residual [B,T,H])."""
