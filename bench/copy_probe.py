@@ -32,10 +32,9 @@ def ngram_guess(ids: list[int], n: int = 2) -> list[int]:
 
 
 @torch.no_grad()
-def probe(run, drafter) -> dict:
+def probe(run, raw) -> dict:
     from drafttrain.features import teacher_draft_logits
 
-    raw = drafter
     d2t = raw.d2t
     counts = {"copy": [0, 0], "other": [0, 0]}  # [agree, total]
     for batch in run.held_loader:
@@ -75,10 +74,10 @@ def main(argv: list[str] | None = None) -> int:
     cfg = parse_args([*keys, "tracking=none", "train.decode_eval_final=false"], TrainConfig)
     run = setup(cfg)
     raw = run.accelerator.unwrap_model(run.drafter)
-    missing, unexpected = raw.load_state_dict(load_file(f"{folder}/model.safetensors"), strict=False)
+    _, unexpected = raw.load_state_dict(load_file(f"{folder}/model.safetensors"), strict=False)
     if unexpected:
         raise SystemExit(f"copy_probe: {folder} does not match the run's drafter (unexpected {unexpected[:3]})")
-    if getattr(raw, "_scaled", False):  # a saved folder has the feature scale folded into fc
+    if getattr(raw, "feature_scaled", False):  # a saved folder has the feature scale folded into fc
         raw.set_feature_scale(torch.ones_like(raw.aux_scale))
     raw.eval()
     c = probe(run, raw)

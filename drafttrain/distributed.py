@@ -117,7 +117,7 @@ def gathered_drafter(accelerator, drafter, target):
         return raw
     fresh = type(raw)(raw.cfg) if hasattr(raw, "cfg") else type(raw)(raw.config)  # ours / an HF draft LM
     fresh.load_state_dict({k: v.to("cpu") for k, v in full.items()})
-    if getattr(raw, "_scaled", False):  # EAGLE-3's feature scale is a non-persistent buffer: carry it over
+    if getattr(raw, "feature_scaled", False):  # EAGLE-3's feature scale is a non-persistent buffer: carry it over
         fresh.set_feature_scale(raw.aux_scale.detach().to("cpu"))
     if hasattr(fresh, "attach_target"):
         fresh.attach_target(target)

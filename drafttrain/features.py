@@ -84,8 +84,8 @@ def feature_scale(target, records, spec: FeatureSpec, *, num_records: int = 16) 
     """
     p = next(target.parameters())
     rows = []
-    for r in list(records)[:num_records]:
-        ids = torch.tensor(r["input_ids"], dtype=torch.long, device=p.device)[None]
+    for i in range(min(num_records, len(records))):  # index, not list(records): a full dataset is large
+        ids = torch.tensor(records[i]["input_ids"], dtype=torch.long, device=p.device)[None]
         rows.append(target_features(target, ids, None, spec)["aux"][0].float())
     aux = torch.cat(rows)  # [N, A*H]
     rms = aux.pow(2).mean(0).sqrt()

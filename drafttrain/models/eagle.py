@@ -326,6 +326,11 @@ class EagleDrafter(DraftVocab, nn.Module):
             aux_hidden = aux_hidden * self.aux_scale.to(aux_hidden.dtype)
         return self.fc(aux_hidden)
 
+    @property
+    def feature_scaled(self) -> bool:
+        """Whether fc reads scaled features (set by `set_feature_scale`; a loaded folder never is)."""
+        return self._scaled
+
     def set_feature_scale(self, scale: Tensor) -> None:
         """Train fc on aux * scale (EAGLE-3; see drafttrain.features.feature_scale)."""
         if not self.cfg.fused or scale.shape != self.aux_scale.shape:
