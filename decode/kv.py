@@ -34,7 +34,7 @@ import torch
 from torch import Tensor, nn
 from transformers import DynamicCache
 
-from drafttrain.decode.kernels.cpu_linear import routes
+from drafttrain.decode.kernels.cpu_linear import head_argmax, routes
 from drafttrain.textconfig import text_config
 
 __all__ = ["KVState", "target_forward", "truncated_layers", "attention_layout"]
@@ -256,8 +256,8 @@ def target_forward(model: nn.Module, kv: KVState, input_ids: Tensor, positions: 
             last = out.last_hidden_state  # [B, n, H]
             flat = last.reshape(-1, last.shape[-1])
             if routes(head_module, flat.shape[0]):
-                # the CPU kernel reads the head once for every row; [rows, V] logits are small
-                result = head_module(flat).argmax(-1).view(last.shape[:2])  # first maximum on ties
+                # the CPU kernel reads the head once for every row, argmax fused where it can
+                result = head_argmax(head_module, flat).view(last.shape[:2])  # first maximum on ties
             else:
                 result = greedy_lm_head_argmax(flat, head_module.weight).view(last.shape[:2])
         elif head == "hidden":

@@ -20,10 +20,17 @@ machine by `torch.utils.cpp_extension` into its cache (~1 min; `TORCH_EXTENSIONS
   bf16 AMD EPYC of session 9 it was slower than PyTorch's native kernels (22.7 vs 22.2 ms for 1
   row, 24.9 vs 18.2 for 5), so `auto` uses it only on CPUs without AVX-512 bf16 / AMX.
 - ``avx512``: ``vdpbf16ps`` (pairs of bf16 products summed into fp32 lanes, 32 weights per
-  instruction, masked loads for the tail); for 1 … 4 rows, where it beats PyTorch on the Xeon
-  above (all 18 layers' matmuls cold from memory, medians of 7: 1 row 19.1 vs 35.2 ms, 4 rows 23.1
-  vs 34.0; the LM head 30.4 vs 45.5 ms for 1 row, 41.0 vs 46.3 for 4; from 6 rows on PyTorch's
-  AMX path ties or wins). `auto` picks it on CPUs with AVX-512 bf16.
+  instruction, masked loads for the tail); for 1 … 8 rows in one pass over the weights (two weight
+  rows held in registers while the rows of x stream past from L1), with a software prefetch of the
+  weight rows eight ahead. `auto` picks it on CPUs with AVX-512 bf16. Session 10's first version
+  (no prefetch, tiles of 4 rows, 1 … 4 rows) lost to PyTorch's AMX path from 6 rows on; session 14
+  (this Intel Xeon, 2 threads, 12–17 GB/s, medians of 9–11 interleaved runs of Gemma 3 270M's
+  shapes, `bench/linear_kernels.py`): the 126 layer matmuls / the LM head take 13.3 / 19.9 ms for
+  1 row (PyTorch 40.0 / 41.3; the previous kernel 17.5 / 28.2), 14.3 / 20.7 ms for 6 rows (PyTorch
+  23–43 / 30–45 as the machine's speed moved), 21–30 / 32–45 for 8 (PyTorch 29–31 / 37–44). The
+  prefetch is most of it: without it the kernel's time was memory time plus compute time.
+  It also fuses the greedy head (`head_argmax`): argmax ids of the bf16 logits without writing
+  them, which saves the [rows, 262144] argmax (1.7 ms for 1 row, 5 ms for 6).
 
 `install(model, backend)` routes every bf16 `nn.Linear` of an inference model through a kernel for
 inputs in its row range (larger inputs, prefill included, keep PyTorch's matmul);
@@ -36,8 +43,8 @@ by bf16 rounding at most (``vdpbf16ps`` also treats bf16 subnormal inputs as zer
 exact sums and that decoding a bf16 target through each kernel gives what PyTorch's matmul gives.
 Float32 models are never touched (greedy output in float32 equals the target's own exactly).
 
-Deliberately not here: backward (inference only), AMX tiles (PyTorch's own AMX path is good from
-~6 rows on), quantised weights, GPUs.
+Deliberately not here: backward (inference only), AMX tiles (beyond 8 rows PyTorch's AMX path is
+used), quantised weights, GPUs.
 """
 
 from __future__ import annotations
@@ -53,7 +60,7 @@ from torch import Tensor, nn
 
 from drafttrain.config import LINEAR_BACKENDS
 
-__all__ = ["KERNELS", "routes", "BACKENDS", "available", "bf16_linear", "install", "installed_backend", "setup", "is_installed", "paused",
+__all__ = ["KERNELS", "head_argmax", "routes", "BACKENDS", "available", "bf16_linear", "install", "installed_backend", "setup", "is_installed", "paused",
            "uninstall", "resolve_backend", "wants_avx2_linear", "wants_avx512_linear"]
 
 BACKENDS = LINEAR_BACKENDS
@@ -145,37 +152,104 @@ _AVX512_SOURCE = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <vector>
 
-// y[m, o + r] = sum_k x[m, k] * w[o + r, k] for r < R and rows m0 .. m0 + MT of x: each 64-byte
-// chunk of a weight row is loaded once for all MT rows; vdpbf16ps sums bf16 pairs into fp32.
+// y[m * ys + r] = sum_k x[m, k] * w[o + r, k] for r < R and all MT rows of x, in one pass over the
+// weights: each 64-byte chunk of the R weight rows is loaded once and held while the MT rows of x
+// (a few KB, L1-resident) stream past it; vdpbf16ps sums bf16 pairs into fp32 lanes. `pf`, when
+// set, is the weight row PF rows ahead, prefetched chunk by chunk so the memory stream keeps going
+// while the core computes (without it the kernel's time was memory time plus compute time).
 template <int R, int MT>
-static inline void tile(const uint16_t* x, const uint16_t* w, float* y, int64_t K, int64_t O,
-                        int64_t o, int64_t m0) {
+static inline void tile(const uint16_t* x, const uint16_t* w, float* y, int64_t K, int64_t ys, int64_t o,
+                        const uint16_t* pf) {
     __m512 acc[R][MT];
     for (int r = 0; r < R; ++r)
         for (int m = 0; m < MT; ++m) acc[r][m] = _mm512_setzero_ps();
     for (int64_t k = 0; k < K; k += 32) {
         const __mmask32 mask = (K - k >= 32) ? (__mmask32)0xFFFFFFFFu : (__mmask32)((1u << (K - k)) - 1u);
-        __m512bh xv[MT];
-        for (int m = 0; m < MT; ++m)
-            xv[m] = (__m512bh)_mm512_maskz_loadu_epi16(mask, x + (m0 + m) * K + k);
-        for (int r = 0; r < R; ++r) {
-            __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(mask, w + (o + r) * K + k);
-            for (int m = 0; m < MT; ++m) acc[r][m] = _mm512_dpbf16_ps(acc[r][m], wv, xv[m]);
+        if (pf)
+            for (int r = 0; r < R; ++r) _mm_prefetch(reinterpret_cast<const char*>(pf + r * K + k), _MM_HINT_T0);
+        __m512bh wv[R];
+        for (int r = 0; r < R; ++r) wv[r] = (__m512bh)_mm512_maskz_loadu_epi16(mask, w + (o + r) * K + k);
+        for (int m = 0; m < MT; ++m) {
+            __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(mask, x + m * K + k);
+            for (int r = 0; r < R; ++r) acc[r][m] = _mm512_dpbf16_ps(acc[r][m], wv[r], xv);
         }
     }
     for (int r = 0; r < R; ++r)
-        for (int m = 0; m < MT; ++m) y[(m0 + m) * O + o + r] = _mm512_reduce_add_ps(acc[r][m]);
+        for (int m = 0; m < MT; ++m) y[m * ys + r] = _mm512_reduce_add_ps(acc[r][m]);
 }
 
-template <int R>
-static inline void weight_rows(const uint16_t* x, const uint16_t* w, float* y, int64_t K, int64_t O,
-                               int64_t M, int64_t o) {
-    int64_t m = 0;
-    for (; m + 4 <= M; m += 4) tile<R, 4>(x, w, y, K, O, o, m);
-    for (; m + 2 <= M; m += 2) tile<R, 2>(x, w, y, K, O, o, m);
-    for (; m < M; ++m) tile<R, 1>(x, w, y, K, O, o, m);
+constexpr int64_t kTileRows = 2, kPrefetchRows = 8;  // weight rows per tile; prefetch distance
+
+template <int MT>
+static void rows(const uint16_t* x, const uint16_t* w, float* y, int64_t K, int64_t O) {
+    const int64_t pairs = O / kTileRows;
+    at::parallel_for(0, pairs, 16, [&](int64_t begin, int64_t end) {
+        for (int64_t p = begin; p < end; ++p) {
+            const int64_t o = kTileRows * p;
+            const bool ahead = o + kPrefetchRows + kTileRows <= O;
+            tile<kTileRows, MT>(x, w, y + o, K, O, o, ahead ? w + (o + kPrefetchRows) * K : nullptr);
+        }
+    });
+    for (int64_t o = kTileRows * pairs; o < O; ++o) tile<1, MT>(x, w, y + o, K, O, o, nullptr);
+}
+
+// fp32 -> bf16 -> fp32, rounding to nearest even: the value PyTorch's bf16 logits hold
+static inline float round_bf16(float v) {
+    uint32_t u;
+    std::memcpy(&u, &v, 4);
+    u = (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;
+    std::memcpy(&v, &u, 4);
+    return v;
+}
+
+// argmax over o of bf16(x[m] . w[o]) for each of MT rows, lowest o on ties, without storing
+// [MT, O] logits: blocks of weight rows in parallel, each keeps its best per row, then the
+// blocks are merged in order (a later block wins only when strictly greater).
+template <int MT>
+static void rows_argmax(const uint16_t* x, const uint16_t* w, int64_t* out, int64_t K, int64_t O) {
+    constexpr int64_t kBlock = 4096;  // weight rows per block
+    const int64_t nblocks = (O + kBlock - 1) / kBlock;
+    std::vector<float> bval(nblocks * MT);
+    std::vector<int64_t> bidx(nblocks * MT);
+    at::parallel_for(0, nblocks, 1, [&](int64_t begin, int64_t end) {
+        for (int64_t b = begin; b < end; ++b) {
+            const int64_t o0 = b * kBlock, o1 = std::min(O, o0 + kBlock);
+            float best[MT], y[MT * kTileRows];
+            int64_t arg[MT];
+            for (int m = 0; m < MT; ++m) best[m] = -INFINITY, arg[m] = o0;
+            int64_t o = o0;
+            for (; o + kTileRows <= o1; o += kTileRows) {
+                const bool ahead = o + kPrefetchRows + kTileRows <= O;
+                tile<kTileRows, MT>(x, w, y, K, kTileRows, o, ahead ? w + (o + kPrefetchRows) * K : nullptr);
+                for (int m = 0; m < MT; ++m)
+                    for (int r = 0; r < kTileRows; ++r) {
+                        const float v = round_bf16(y[m * kTileRows + r]);
+                        if (v > best[m]) best[m] = v, arg[m] = o + r;
+                    }
+            }
+            for (; o < o1; ++o) {
+                tile<1, MT>(x, w, y, K, 1, o, nullptr);
+                for (int m = 0; m < MT; ++m) {
+                    const float v = round_bf16(y[m]);
+                    if (v > best[m]) best[m] = v, arg[m] = o;
+                }
+            }
+            for (int m = 0; m < MT; ++m) bval[b * MT + m] = best[m], bidx[b * MT + m] = arg[m];
+        }
+    });
+    for (int m = 0; m < MT; ++m) {
+        float best = -INFINITY;
+        int64_t arg = 0;
+        for (int64_t b = 0; b < nblocks; ++b)
+            if (bval[b * MT + m] > best) best = bval[b * MT + m], arg = bidx[b * MT + m];
+        out[m] = arg;
+    }
 }
 
 torch::Tensor bf16_linear_bf16x(torch::Tensor x, torch::Tensor w) {
@@ -187,16 +261,51 @@ torch::Tensor bf16_linear_bf16x(torch::Tensor x, torch::Tensor w) {
     const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
     const uint16_t* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
     float* yp = y.data_ptr<float>();
-    const int64_t quads = O / 4;
-    at::parallel_for(0, quads, 16, [&](int64_t begin, int64_t end) {
-        for (int64_t q = begin; q < end; ++q) weight_rows<4>(xp, wp, yp, K, O, M, 4 * q);
-    });
-    for (int64_t o = 4 * quads; o < O; ++o) weight_rows<1>(xp, wp, yp, K, O, M, o);
+    for (int64_t m0 = 0; m0 < M; m0 += 8) {  // passes of up to 8 rows (more rows work, slowly)
+        const uint16_t* xm = xp + m0 * K;
+        float* ym = yp + m0 * O;
+        switch (M - m0 < 8 ? M - m0 : 8) {
+            case 1: rows<1>(xm, wp, ym, K, O); break;
+            case 2: rows<2>(xm, wp, ym, K, O); break;
+            case 3: rows<3>(xm, wp, ym, K, O); break;
+            case 4: rows<4>(xm, wp, ym, K, O); break;
+            case 5: rows<5>(xm, wp, ym, K, O); break;
+            case 6: rows<6>(xm, wp, ym, K, O); break;
+            case 7: rows<7>(xm, wp, ym, K, O); break;
+            default: rows<8>(xm, wp, ym, K, O); break;
+        }
+    }
     return y;
+}
+
+torch::Tensor bf16_linear_argmax(torch::Tensor x, torch::Tensor w) {
+    TORCH_CHECK(x.dtype() == torch::kBFloat16 && x.is_contiguous() && x.dim() == 2, "x: contiguous bf16 [M, K]");
+    TORCH_CHECK(w.dtype() == torch::kBFloat16 && w.is_contiguous() && w.dim() == 2, "w: contiguous bf16 [O, K]");
+    const int64_t M = x.size(0), K = x.size(1), O = w.size(0);
+    TORCH_CHECK(w.size(1) == K && O > 0, "x and w disagree on K, or w is empty");
+    auto out = torch::empty({M}, x.options().dtype(torch::kLong));
+    const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+    const uint16_t* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
+    int64_t* op = out.data_ptr<int64_t>();
+    for (int64_t m0 = 0; m0 < M; m0 += 8) {
+        const uint16_t* xm = xp + m0 * K;
+        switch (M - m0 < 8 ? M - m0 : 8) {
+            case 1: rows_argmax<1>(xm, wp, op + m0, K, O); break;
+            case 2: rows_argmax<2>(xm, wp, op + m0, K, O); break;
+            case 3: rows_argmax<3>(xm, wp, op + m0, K, O); break;
+            case 4: rows_argmax<4>(xm, wp, op + m0, K, O); break;
+            case 5: rows_argmax<5>(xm, wp, op + m0, K, O); break;
+            case 6: rows_argmax<6>(xm, wp, op + m0, K, O); break;
+            case 7: rows_argmax<7>(xm, wp, op + m0, K, O); break;
+            default: rows_argmax<8>(xm, wp, op + m0, K, O); break;
+        }
+    }
+    return out;
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("bf16_linear_bf16x", &bf16_linear_bf16x, "x bf16 [M, K] @ w bf16 [O, K]^T -> fp32 [M, O]");
+    m.def("bf16_linear_argmax", &bf16_linear_argmax, "argmax_o bf16(x bf16 [M, K] @ w bf16 [O, K]^T) -> int64 [M]");
 }
 """
 
@@ -225,6 +334,12 @@ class _Kernel:
             return self.load().bf16_linear_f32(flat.float().contiguous(), w.contiguous())
         return self.load().bf16_linear_bf16x(flat.to(torch.bfloat16).contiguous(), w.contiguous())
 
+    def argmax(self, flat: Tensor, w: Tensor) -> Tensor:
+        """argmax over the O outputs of bf16 ``flat`` [M, K] @ w^T, rounded to bf16, lowest index on ties -> [M] long."""
+        if self.name == "avx512":
+            return self.load().bf16_linear_argmax(flat.contiguous(), w.contiguous())
+        return self(flat, w).to(torch.bfloat16).argmax(-1)
+
 
 _lock = threading.Lock()
 
@@ -234,7 +349,7 @@ _lock = threading.Lock()
 KERNELS = {
     "avx2": _Kernel("avx2", _AVX2_SOURCE, {"avx2", "fma"}, ["-mavx2", "-mfma"], (2, 16)),
     "avx512": _Kernel("avx512", _AVX512_SOURCE, {"avx512f", "avx512bw", "avx512_bf16"},
-                      ["-mavx512f", "-mavx512bw", "-mavx512bf16"], (1, 4)),
+                      ["-mavx512f", "-mavx512bw", "-mavx512bf16"], (1, 8)),
 }
 
 
@@ -320,6 +435,17 @@ class _Forward:
         if self.min_rows <= rows <= self.max_rows and not torch.is_grad_enabled() and x.device.type == "cpu":
             return bf16_linear(x, mod.weight, mod.bias, self.backend)
         return F.linear(x, mod.weight, mod.bias)
+
+
+def head_argmax(module: nn.Linear, x: Tensor) -> Tensor:
+    """``module(x).argmax(-1)`` for an installed, bias-free bf16 head and bf16 ``x`` [M, K] in its row range,
+    without the [M, O] logits where the kernel fuses it (AVX-512: each thread keeps its best per row).
+
+    Same ids as the head's own bf16 logits give: the fp32 sums rounded to bf16, first maximum on ties.
+    """
+    if x.dtype != torch.bfloat16 or module.bias is not None or not routes(module, x.shape[0]):
+        return module(x).argmax(-1)
+    return KERNELS[vars(module)["forward"].backend].argmax(x, module.weight)
 
 
 def routes(module: nn.Module, rows: int) -> bool:

@@ -23,7 +23,7 @@ RUNNABLE = [k for k in cpu_linear.KERNELS if cpu_linear.available(k)]
 
 
 @pytest.mark.parametrize("backend", RUNNABLE)
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 16])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 9, 16])
 @pytest.mark.parametrize("k", [43, 70])
 def test_kernel_sums_exactly_what_a_float64_matmul_sums(backend, rows, k):
     # Integer-valued inputs: every product and partial sum is exact in fp32, so the kernel must
@@ -151,3 +151,33 @@ def test_decoding_through_the_kernel_gives_what_pytorchs_matmul_gives(fam, backe
     assert_same_up_to_near_ties(target, ids, alone.sequences, plain.sequences)
     assert_same_up_to_near_ties(target, ids[:1], one.sequences, single.sequences)
     assert_same_up_to_near_ties(target, ids[:1], spec1.sequences, spec1_aten.sequences)
+
+
+@pytest.mark.parametrize("backend", RUNNABLE)
+@pytest.mark.parametrize("rows", [1, 3, 6, 8, 9])
+def test_fused_head_argmax_gives_the_ids_of_the_heads_own_bf16_logits(backend, rows):
+    # Greedy verification reads argmax ids straight from the kernel (no [rows, V] logits). They
+    # must be the ids of the head's own bf16 logits, lowest id on ties: integer weights make many
+    # exact ties, and wide random values tie after bf16 rounding. V = 9,001 spans several of the
+    # kernel's 4,096-row blocks, the maximum sits in a later block for some rows and appears in
+    # several blocks for others.
+    g = torch.Generator().manual_seed(rows)
+    head = torch.nn.Linear(70, 9001, bias=False).to(torch.bfloat16)
+    with torch.no_grad():
+        head.weight.copy_(torch.randint(-2, 3, (9001, 70), generator=g).to(torch.bfloat16))
+        head.weight[8500] = 3  # a strict winner in the last block for positive inputs
+    x = torch.randint(-2, 3, (rows, 70), generator=g).to(torch.bfloat16)
+    x[0] = 1
+    wide = torch.randn(rows, 70, generator=g).mul(40).to(torch.bfloat16)
+    try:
+        cpu_linear.install(head, backend)
+        with torch.inference_mode():
+            got = {}
+            for name, inp in (("ties", x), ("wide", wide)):
+                got[name] = cpu_linear.head_argmax(head, inp)
+                assert torch.equal(got[name], head(inp).argmax(-1))  # the routed bf16 logits, first maximum
+    finally:
+        cpu_linear.uninstall(head)
+    assert got["ties"][0].item() == 8500  # row 0 (all ones): the strict winner, late in the last block
+    with torch.inference_mode():  # exact integer sums: PyTorch's own bf16 head (uninstalled) picks the same ids
+        assert torch.equal(got["ties"], head(x).argmax(-1))
