@@ -27,7 +27,7 @@ RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
 
 # The decode-time linear kernels a config may name (decode/kernels/cpu_linear.py implements them).
 # They live here, not there, so that configs and `--help` never import torch.
-LINEAR_BACKENDS = ("auto", "aten", "avx2", "avx512")
+LINEAR_BACKENDS = ("auto", "aten", "avx2", "avx512", "amx")
 
 
 def _fields(cls) -> dict[str, dataclasses.Field]:

@@ -61,7 +61,7 @@ from torch import Tensor, nn
 from drafttrain.config import LINEAR_BACKENDS
 
 __all__ = ["KERNELS", "head_argmax", "routes", "BACKENDS", "available", "bf16_linear", "install", "installed_backend", "setup", "is_installed", "paused",
-           "uninstall", "resolve_backend", "wants_avx2_linear", "wants_avx512_linear"]
+           "uninstall", "resolve_backend", "wants_amx_linear", "wants_avx2_linear", "wants_avx512_linear"]
 
 BACKENDS = LINEAR_BACKENDS
 
@@ -303,9 +303,153 @@ torch::Tensor bf16_linear_argmax(torch::Tensor x, torch::Tensor w) {
     return out;
 }
 
+"""
+
+_AVX512_BINDINGS = r"""
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("bf16_linear_bf16x", &bf16_linear_bf16x, "x bf16 [M, K] @ w bf16 [O, K]^T -> fp32 [M, O]");
     m.def("bf16_linear_argmax", &bf16_linear_argmax, "argmax_o bf16(x bf16 [M, K] @ w bf16 [O, K]^T) -> int64 [M]");
+}
+"""
+
+
+
+_AMX_SOURCE = r"""
+#include <sys/syscall.h>
+#include <unistd.h>
+
+// Linux hands out AMX tile state only on request, once per process (ARCH_REQ_XCOMP_PERM = 0x1023,
+// XFEATURE_XTILEDATA = 18); without it the first tile instruction kills the process.
+static bool amx_permit() {
+    static int ok = -1;
+    if (ok < 0) ok = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+    return ok == 1;
+}
+
+bool amx_available() { return amx_permit(); }
+
+struct TileConfig {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+};
+
+// For each block of 32 weight rows: C (tiles 0, 1: 16 weight rows x N rows of x each) += A (tiles
+// 2, 3: 16 weight rows x 32 k, loaded straight from w) . B (tile 4: x packed as [K/2][N][2] bf16
+// pairs, tiny and L1-resident). The block one ahead is prefetched line by line across the k loop.
+// `sink(o, c)` receives the block's fp32 results c[h][i][n] for weight row o + 16h + i.
+template <typename Sink>
+static void amx_blocks(const uint16_t* xb, const uint16_t* w, int64_t N, int64_t K, int64_t O, Sink&& sink) {
+    const int64_t blocks = O / 32, lines = (32 * K * 2) / 64, per = lines / (K / 32);
+    at::parallel_for(0, blocks, 2, [&](int64_t begin, int64_t end) {
+        TileConfig cfg;
+        std::memset(&cfg, 0, sizeof(cfg));
+        cfg.palette = 1;
+        for (int t = 0; t < 5; ++t) cfg.rows[t] = 16;
+        cfg.colsb[0] = cfg.colsb[1] = cfg.colsb[4] = (uint16_t)(N * 4);
+        cfg.colsb[2] = cfg.colsb[3] = 64;
+        _tile_loadconfig(&cfg);
+        alignas(64) float c[2][16][16];
+        for (int64_t b = begin; b < end; ++b) {
+            const uint16_t* wb = w + 32 * b * K;
+            const char* pf = b + 1 < blocks ? reinterpret_cast<const char*>(wb + 32 * K) : nullptr;
+            _tile_zero(0);
+            _tile_zero(1);
+            for (int64_t k = 0, it = 0; k < K; k += 32, ++it) {
+                if (pf)
+                    for (int64_t l = 0; l < per; ++l) _mm_prefetch(pf + (it * per + l) * 64, _MM_HINT_T0);
+                _tile_loadd(4, xb + k * N, N * 4);
+                _tile_loadd(2, wb + k, K * 2);
+                _tile_loadd(3, wb + 16 * K + k, K * 2);
+                _tile_dpbf16ps(0, 2, 4);
+                _tile_dpbf16ps(1, 3, 4);
+            }
+            _tile_stored(0, c[0], 64);
+            _tile_stored(1, c[1], 64);
+            sink(32 * b, c);
+        }
+        _tile_release();
+    });
+}
+
+static std::vector<uint16_t> pack_pairs(const uint16_t* x, int64_t N, int64_t K) {
+    std::vector<uint16_t> xb(K * N);
+    for (int64_t kk = 0; kk < K / 2; ++kk)
+        for (int64_t n = 0; n < N; ++n) {
+            xb[(kk * N + n) * 2] = x[n * K + 2 * kk];
+            xb[(kk * N + n) * 2 + 1] = x[n * K + 2 * kk + 1];
+        }
+    return xb;
+}
+
+static void check_amx(torch::Tensor x, torch::Tensor w) {
+    TORCH_CHECK(x.dtype() == torch::kBFloat16 && x.is_contiguous() && x.dim() == 2, "x: contiguous bf16 [M, K]");
+    TORCH_CHECK(w.dtype() == torch::kBFloat16 && w.is_contiguous() && w.dim() == 2, "w: contiguous bf16 [O, K]");
+    TORCH_CHECK(w.size(1) == x.size(1) && x.size(1) % 32 == 0 && w.size(0) % 32 == 0 && x.size(0) >= 1 &&
+                x.size(0) <= 16, "the AMX kernel takes 1-16 rows, K and O multiples of 32");
+    TORCH_CHECK(amx_permit(), "the Linux kernel refused AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM)");
+}
+
+torch::Tensor amx_linear(torch::Tensor x, torch::Tensor w) {
+    check_amx(x, w);
+    const int64_t N = x.size(0), K = x.size(1), O = w.size(0);
+    auto xb = pack_pairs(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), N, K);
+    auto y = torch::empty({N, O}, x.options().dtype(torch::kFloat32));
+    float* yp = y.data_ptr<float>();
+    amx_blocks(xb.data(), reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()), N, K, O,
+               [&](int64_t o, float (&c)[2][16][16]) {
+                   for (int64_t n = 0; n < N; ++n)
+                       for (int h = 0; h < 2; ++h)
+                           for (int i = 0; i < 16; ++i) yp[n * O + o + 16 * h + i] = c[h][i][n];
+               });
+    return y;
+}
+
+// argmax ids of the bf16-rounded results, lowest id on ties (as bf16_linear_argmax)
+torch::Tensor amx_linear_argmax(torch::Tensor x, torch::Tensor w) {
+    check_amx(x, w);
+    const int64_t N = x.size(0), K = x.size(1), O = w.size(0);
+    auto xb = pack_pairs(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), N, K);
+    constexpr int64_t kBlockRows = 4096;  // weight rows per merge block (a multiple of 32)
+    const int64_t nblocks = (O + kBlockRows - 1) / kBlockRows;
+    std::vector<float> bval(nblocks * N, -INFINITY);
+    std::vector<int64_t> bidx(nblocks * N, 0);
+    // merge blocks in parallel (amx_blocks runs inline inside one), each keeps its best per row
+    at::parallel_for(0, nblocks, 1, [&](int64_t mb0, int64_t mb1) {
+        for (int64_t mb = mb0; mb < mb1; ++mb) {
+            const int64_t o0 = mb * kBlockRows, rows = std::min(O, o0 + kBlockRows) - o0;
+            float* best = bval.data() + mb * N;
+            int64_t* arg = bidx.data() + mb * N;
+            for (int64_t n = 0; n < N; ++n) arg[n] = o0;
+            amx_blocks(xb.data(), reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()) + o0 * K, N, K, rows,
+                       [&](int64_t o, float (&c)[2][16][16]) {
+                           for (int64_t n = 0; n < N; ++n)
+                               for (int h = 0; h < 2; ++h)
+                                   for (int i = 0; i < 16; ++i) {
+                                       const float v = round_bf16(c[h][i][n]);
+                                       if (v > best[n]) best[n] = v, arg[n] = o0 + o + 16 * h + i;
+                                   }
+                       });
+        }
+    });
+    auto out = torch::empty({N}, x.options().dtype(torch::kLong));
+    int64_t* op = out.data_ptr<int64_t>();
+    for (int64_t n = 0; n < N; ++n) {
+        float best = -INFINITY;
+        int64_t arg = 0;
+        for (int64_t b = 0; b < nblocks; ++b)
+            if (bval[b * N + n] > best) best = bval[b * N + n], arg = bidx[b * N + n];
+        op[n] = arg;
+    }
+    return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+    m.def("bf16_linear_bf16x", &bf16_linear_bf16x, "x bf16 [M, K] @ w bf16 [O, K]^T -> fp32 [M, O]");
+    m.def("bf16_linear_argmax", &bf16_linear_argmax, "argmax_o bf16(x bf16 [M, K] @ w bf16 [O, K]^T) -> int64 [M]");
+    m.def("amx_available", &amx_available, "whether Linux granted this process AMX tile state");
+    m.def("amx_linear", &amx_linear, "AMX: x bf16 [M <= 16, K] @ w bf16 [O, K]^T -> fp32 [M, O]");
+    m.def("amx_linear_argmax", &amx_linear_argmax, "AMX: argmax_o bf16(x @ w^T) -> int64 [M]");
 }
 """
 
@@ -328,17 +472,27 @@ class _Kernel:
                                         extra_ldflags=["-fopenmp"], verbose=False)
             return self._ext
 
+    def _amx_fits(self, flat: Tensor, w: Tensor) -> bool:
+        # 1-2 rows: the AVX-512 tiles, 1-2 ms faster per step there (`bench/linear_kernels.py`)
+        return (self.name == "amx" and 3 <= flat.shape[0] <= 16 and flat.shape[1] % 32 == 0
+                and w.shape[0] % 32 == 0)
+
     def __call__(self, flat: Tensor, w: Tensor) -> Tensor:
         """[M, K] rows (any float dtype) @ bf16 w [O, K]^T -> fp32 [M, O]."""
         if self.name == "avx2":
             return self.load().bf16_linear_f32(flat.float().contiguous(), w.contiguous())
-        return self.load().bf16_linear_bf16x(flat.to(torch.bfloat16).contiguous(), w.contiguous())
+        x = flat.to(torch.bfloat16).contiguous()
+        if self._amx_fits(x, w):
+            return self.load().amx_linear(x, w.contiguous())
+        return self.load().bf16_linear_bf16x(x, w.contiguous())  # other shapes: the AVX-512 tiles
 
     def argmax(self, flat: Tensor, w: Tensor) -> Tensor:
         """argmax over the O outputs of bf16 ``flat`` [M, K] @ w^T, rounded to bf16, lowest index on ties -> [M] long."""
-        if self.name == "avx512":
-            return self.load().bf16_linear_argmax(flat.contiguous(), w.contiguous())
-        return self(flat, w).to(torch.bfloat16).argmax(-1)
+        if self.name == "avx2":
+            return self(flat, w).to(torch.bfloat16).argmax(-1)
+        if self._amx_fits(flat, w):
+            return self.load().amx_linear_argmax(flat.contiguous(), w.contiguous())
+        return self.load().bf16_linear_argmax(flat.contiguous(), w.contiguous())
 
 
 _lock = threading.Lock()
@@ -348,8 +502,10 @@ _lock = threading.Lock()
 #: PyTorch's matmul, whose AMX / AVX-512 paths win on compute-bound work)
 KERNELS = {
     "avx2": _Kernel("avx2", _AVX2_SOURCE, {"avx2", "fma"}, ["-mavx2", "-mfma"], (2, 16)),
-    "avx512": _Kernel("avx512", _AVX512_SOURCE, {"avx512f", "avx512bw", "avx512_bf16"},
+    "avx512": _Kernel("avx512", _AVX512_SOURCE + _AVX512_BINDINGS, {"avx512f", "avx512bw", "avx512_bf16"},
                       ["-mavx512f", "-mavx512bw", "-mavx512bf16"], (1, 8)),
+    "amx": _Kernel("amx", _AVX512_SOURCE + _AMX_SOURCE, {"avx512f", "avx512bw", "avx512_bf16", "amx_tile", "amx_bf16"},
+                   ["-mavx512f", "-mavx512bw", "-mavx512bf16", "-mamx-tile", "-mamx-bf16"], (1, 16)),
 }
 
 
@@ -365,16 +521,35 @@ def _cpu_flags() -> set[str]:
 
 
 def available(backend: str = "avx2") -> bool:
-    """Whether this CPU can run `backend`'s kernel (its x86 flags) and a C++ compiler is found."""
+    """Whether this CPU can run `backend`'s kernel (its x86 flags; for AMX, Linux granting the
+    process tile state) and a C++ compiler is found."""
     if not KERNELS[backend].flags <= _cpu_flags():
+        return False
+    if backend == "amx" and not _amx_permitted():
         return False
     from shutil import which
 
     return which(os.environ.get("CXX", "c++")) is not None or which("g++") is not None
 
 
+def _amx_permitted() -> bool:
+    """Asks Linux (x86-64 arch_prctl ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA) for AMX tile state:
+    granted once per process, refused by kernels before 5.16 or where a hypervisor hides it."""
+    import ctypes
+
+    try:
+        return ctypes.CDLL(None, use_errno=True).syscall(158, 0x1023, 18) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def wants_amx_linear() -> bool:
+    """`auto`'s first choice: the AMX kernel wherever the CPU and Linux allow AMX bf16 tiles."""
+    return available("amx")
+
+
 def wants_avx512_linear() -> bool:
-    """`auto`'s first choice: the AVX-512 bf16 kernel wherever the CPU has AVX-512 bf16."""
+    """`auto`'s choice where AMX is not: the AVX-512 bf16 kernel wherever the CPU has AVX-512 bf16."""
     return available("avx512")
 
 
@@ -384,7 +559,7 @@ def wants_avx2_linear() -> bool:
 
 
 def resolve_backend(backend: str, model: nn.Module) -> str:
-    """"aten", "avx2" or "avx512" for decoding with `model`.
+    """"aten", "avx2", "avx512" or "amx" for decoding with `model`.
 
     Raises:
         ValueError: an unknown backend, or a kernel the CPU or compiler cannot run.
@@ -402,6 +577,8 @@ def resolve_backend(backend: str, model: nn.Module) -> str:
         return backend
     if not (param.device.type == "cpu" and param.dtype == torch.bfloat16):
         return "aten"
+    if wants_amx_linear():
+        return "amx"
     if wants_avx512_linear():
         return "avx512"
     return "avx2" if wants_avx2_linear() else "aten"

@@ -2,7 +2,8 @@
 rounding, row ranges, and decoding through them stays lossless.
 
 Each kernel is compiled once per machine (~1 min, cached by torch's extension cache); a test runs
-for every kernel this CPU can run (AVX2 + FMA and g++ on every CI machine; AVX-512 bf16 on most).
+for every kernel this CPU can run (AVX2 + FMA and g++ on every CI machine; AVX-512 bf16 on most;
+AMX on Intel Xeons from Sapphire Rapids on).
 """
 
 from __future__ import annotations
@@ -93,13 +94,15 @@ def test_backend_names_are_checked():
         cpu_linear.resolve_backend("fast", target)
 
 
-def test_auto_picks_the_avx512_kernel_where_the_cpu_has_avx512_bf16():
+def test_auto_picks_amx_then_avx512_where_the_cpu_has_them():
     target = tiny_target("llama", dtype=torch.bfloat16, vocab_size=300)
-    want = "avx512" if cpu_linear.available("avx512") else ("avx2" if cpu_linear.wants_avx2_linear() else "aten")
+    want = next((k for k in ("amx", "avx512") if cpu_linear.available(k)), None)
+    want = want or ("avx2" if cpu_linear.wants_avx2_linear() else "aten")
     assert cpu_linear.resolve_backend("auto", target) == want
-    if not cpu_linear.available("avx512"):
-        with pytest.raises(ValueError, match="linear_backend=avx512 needs"):
-            cpu_linear.resolve_backend("avx512", target)
+    for k in ("amx", "avx512"):
+        if not cpu_linear.available(k):
+            with pytest.raises(ValueError, match=f"linear_backend={k} needs"):
+                cpu_linear.resolve_backend(k, target)
 
 
 def assert_same_up_to_near_ties(target, prompts, got: list[list[int]], ref: list[int]) -> None:
@@ -154,21 +157,34 @@ def test_decoding_through_the_kernel_gives_what_pytorchs_matmul_gives(fam, backe
 
 
 @pytest.mark.parametrize("backend", RUNNABLE)
-@pytest.mark.parametrize("rows", [1, 3, 6, 8, 9])
-def test_fused_head_argmax_gives_the_ids_of_the_heads_own_bf16_logits(backend, rows):
+@pytest.mark.parametrize("rows", [1, 2, 5, 8, 11, 16])
+def test_kernel_sums_exactly_on_tile_shaped_matrices(backend, rows):
+    # K and O multiples of 32: the AMX kernel's shapes (16 x 32 weight tiles, x packed in pairs,
+    # two accumulator tiles per 32 weight rows); the other kernels take them like any shape.
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randint(-3, 4, (160, 96), generator=g).to(torch.bfloat16)
+    x = torch.randint(-3, 4, (rows, 96), generator=g).to(torch.bfloat16)
+    y = cpu_linear.bf16_linear(x.float(), w, backend=backend)
+    assert torch.equal(y.double(), x.double() @ w.double().T)
+
+
+@pytest.mark.parametrize("backend", RUNNABLE)
+@pytest.mark.parametrize("rows", [1, 3, 6, 8, 9, 16])
+@pytest.mark.parametrize("vocab", [9001, 8992])
+def test_fused_head_argmax_gives_the_ids_of_the_heads_own_bf16_logits(backend, rows, vocab):
     # Greedy verification reads argmax ids straight from the kernel (no [rows, V] logits). They
     # must be the ids of the head's own bf16 logits, lowest id on ties: integer weights make many
-    # exact ties, and wide random values tie after bf16 rounding. V = 9,001 spans several of the
-    # kernel's 4,096-row blocks, the maximum sits in a later block for some rows and appears in
-    # several blocks for others.
+    # exact ties, and wide random values tie after bf16 rounding. V spans several of the kernels'
+    # 4,096-row blocks (8,992 = 281 x 32 fits the AMX tiles, 9,001 does not), the maximum sits in a
+    # later block for some rows and appears in several blocks for others.
     g = torch.Generator().manual_seed(rows)
-    head = torch.nn.Linear(70, 9001, bias=False).to(torch.bfloat16)
+    head = torch.nn.Linear(64, vocab, bias=False).to(torch.bfloat16)
     with torch.no_grad():
-        head.weight.copy_(torch.randint(-2, 3, (9001, 70), generator=g).to(torch.bfloat16))
+        head.weight.copy_(torch.randint(-2, 3, (vocab, 64), generator=g).to(torch.bfloat16))
         head.weight[8500] = 3  # a strict winner in the last block for positive inputs
-    x = torch.randint(-2, 3, (rows, 70), generator=g).to(torch.bfloat16)
+    x = torch.randint(-2, 3, (rows, 64), generator=g).to(torch.bfloat16)
     x[0] = 1
-    wide = torch.randn(rows, 70, generator=g).mul(40).to(torch.bfloat16)
+    wide = torch.randn(rows, 64, generator=g).mul(40).to(torch.bfloat16)
     try:
         cpu_linear.install(head, backend)
         with torch.inference_mode():
