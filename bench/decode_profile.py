@@ -2,6 +2,7 @@
 
     python bench/decode_profile.py                          # gemma-3-270m, bf16, context 256, 2 threads
     python bench/decode_profile.py --context 512 --verify 5 --steps 30
+    python bench/decode_profile.py --widths 1,4,6,8,12,16     # + whole steps per width and kernel
 
 A single-stream decode step reads every weight once, so it cannot take less than
 weight bytes / read bandwidth. This script measures both on the machine it runs on (bandwidth:
@@ -53,6 +54,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=2, help="torch threads")
     p.add_argument("--top-ops", type=int, default=14, help="ops listed in the profiler table")
     p.add_argument("--new-tokens", type=int, default=64, help="tokens of the end-to-end engine run")
+    p.add_argument("--widths", default="",
+                   help="also time whole steps feeding each of these token counts (e.g. 1,4,6,8,12,16) under "
+                        "every linear kernel this CPU runs and PyTorch's matmul, interleaved, and print the table")
     p.add_argument("--linear-backend", default="auto", choices=cpu_linear.BACKENDS,
                    help="the target's linear layers: decode/kernels/cpu_linear.py (auto: the AVX-512 bf16 kernel "
                         "on CPUs with AVX-512 bf16, the AVX2 kernel on AVX2-only CPUs, else PyTorch's)")
@@ -108,6 +112,39 @@ class Step:
         out, _ = target_forward(self.model, self.kv, self.ids, self.pos, self.parents, head=self.head)
         self.kv.rollback()
         return out
+
+
+def width_table(model, kv: KVState, context: int, widths: list[int], steps: int, backend: str) -> None:
+    """Whole greedy steps (argmax head) per tokens fed, under each kernel and PyTorch's matmul.
+
+    The variants run interleaved step by step (the kernel swapped in between), so a drift in the
+    machine's speed hits them alike; medians. Leaves `backend`'s kernel installed as it was.
+    """
+    names = ["aten", *(k for k in cpu_linear.KERNELS if cpu_linear.available(k))]
+    print(f"\nwhole steps (argmax head) at context {context}, interleaved, median of {steps} (ms):")
+    print("| tokens fed | " + " | ".join(names) + " | fastest, x its step at the first width |")
+    print("|---|" + "---|" * (len(names) + 1))
+    one = None
+    for n in widths:
+        step = Step(model, kv, context, n, "argmax")
+        times: dict[str, list[float]] = {k: [] for k in names}
+        for rep in range(steps + 1):  # the first round warms up
+            for k in names:
+                cpu_linear.uninstall(model)
+                if k != "aten":
+                    cpu_linear.install(model, k)
+                t = time.perf_counter()
+                step()
+                if rep:
+                    times[k].append(1e3 * (time.perf_counter() - t))
+        med = {k: statistics.median(v) for k, v in times.items()}
+        best = min(med, key=med.get)
+        one = one or med
+        print(f"| {n} | " + " | ".join(f"{med[k]:.1f}" for k in names) + f" | {best} {med[best] / one[best]:.2f}x |",
+              flush=True)
+    cpu_linear.uninstall(model)
+    if backend != "aten":
+        cpu_linear.install(model, backend)
 
 
 def module_split(model, step: Step, n: int) -> dict[str, float]:
@@ -196,6 +233,9 @@ def main(argv=None) -> int:
                 shapes[(n, head)] = (step, ms)
                 print(f"| {n} token{'s' if n > 1 else ''} | {head} | {ms:.1f} | {rep:.1f} | {ms - rep:.1f} | {ms / limit:.2f} |")
 
+        if args.widths:
+            width_table(model, kv, args.context, [int(w) for w in args.widths.split(",")], args.steps,
+                        cpu_linear.resolve_backend(args.linear_backend, model))
         h = torch.randn(1, head_w.shape[1], dtype=head_w.dtype)
         lin = median_ms(lambda: F.linear(h, head_w), args.steps)
         kernels = [k for k in cpu_linear.KERNELS if head_w.dtype == torch.bfloat16 and cpu_linear.available(k)]

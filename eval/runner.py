@@ -33,6 +33,7 @@ Deliberately not here: aggregation (metrics.py), files (report.py), sweeps (swee
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -122,7 +123,9 @@ def run_call(target: nn.Module, method: Method, prompts: list[list[int]], *, max
     if temperature > 0:
         torch.manual_seed(seed if isinstance(seed, int) else seed[0])
     t0 = time.perf_counter()
-    with torch.inference_mode(), cpu_linear.paused(target):  # transformers as users run it
+    assistant = method.hf_kwargs.get("assistant_model")
+    with torch.inference_mode(), cpu_linear.paused(target), \
+            (cpu_linear.paused(assistant) if assistant is not None else nullcontext()):  # transformers as users run it
         gen = target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, min_new_tokens=0,
                               eos_token_id=eos or None, pad_token_id=pad_id, repetition_penalty=None, min_p=None,
                               **sampling, **method.hf_kwargs)

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from drafttrain.decode import speculative_generate
+from drafttrain.decode import load_proposer, speculative_generate
 from drafttrain.decode.kernels import cpu_linear
 from drafttrain.testing import OracleProposer, tiny_target
 from eval.metrics import first_divergence
@@ -197,3 +197,36 @@ def test_fused_head_argmax_gives_the_ids_of_the_heads_own_bf16_logits(backend, r
     assert got["ties"][0].item() == 8500  # row 0 (all ones): the strict winner, late in the last block
     with torch.inference_mode():  # exact integer sums: PyTorch's own bf16 head (uninstalled) picks the same ids
         assert torch.equal(got["ties"], head(x).argmax(-1))
+
+
+@pytest.mark.parametrize("backend", RUNNABLE)
+def test_a_loaded_drafter_runs_through_the_targets_kernel(tmp_path, backend):
+    # A draft step feeds as few rows as a target step: a drafter loaded from its folder for a
+    # target whose layers run through a kernel gets the same kernel; for a target on PyTorch's
+    # matmul it stays on PyTorch's. Decoding through it stays lossless.
+    from drafttrain.drafter_io import save_drafter_folder
+    from drafttrain.models.eagle import EagleDrafter, config_from_target
+    from drafttrain.testing import TinyTokenizer
+
+    class Tok(TinyTokenizer):
+        def get_vocab(self):
+            return {str(i): i for i in range(self.vocab_size)}
+
+    target = tiny_target("llama", dtype=torch.bfloat16, vocab_size=257)
+    torch.manual_seed(0)
+    drafter = EagleDrafter(config_from_target(target.config, fused=True)).attach_target(target).eval()
+    folder = save_drafter_folder(tmp_path / "d", drafter=drafter, target=target, tokenizer=Tok(),
+                                 method="eagle3", extra={}, card="test")
+    plain = load_proposer(str(folder), target)
+    assert not any(cpu_linear.is_installed(m) for m in plain.drafter.modules())
+    ids = torch.randint(3, 257, (1, 7), generator=torch.Generator().manual_seed(1))
+    cpu_linear.install(target, backend)
+    try:
+        proposer = load_proposer(str(folder), target)
+        linears = [m for m in proposer.drafter.modules() if isinstance(m, torch.nn.Linear)]
+        assert linears and all(cpu_linear.is_installed(m) for m in linears)
+        alone = speculative_generate(target, None, ids, max_new_tokens=16, eos_token_id=-1)
+        spec = speculative_generate(target, proposer, ids, max_new_tokens=16, eos_token_id=-1, gamma=3)
+    finally:
+        cpu_linear.uninstall(target)
+    assert_same_up_to_near_ties(target, ids, spec.sequences, alone.sequences)
