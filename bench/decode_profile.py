@@ -36,6 +36,7 @@ from collections import defaultdict
 import torch
 import torch.nn.functional as F
 
+from drafttrain.config import LINEAR_BACKEND_HELP
 from drafttrain.decode import speculative_generate
 from drafttrain.decode.kernels import cpu_linear
 from drafttrain.decode.kernels.greedy import greedy_lm_head_argmax
@@ -58,8 +59,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="also time whole steps feeding each of these token counts (e.g. 1,4,6,8,12,16) under "
                         "every linear kernel this CPU runs and PyTorch's matmul, interleaved, and print the table")
     p.add_argument("--linear-backend", default="auto", choices=cpu_linear.BACKENDS,
-                   help="the target's linear layers: decode/kernels/cpu_linear.py (auto: the AVX-512 bf16 kernel "
-                        "on CPUs with AVX-512 bf16, the AVX2 kernel on AVX2-only CPUs, else PyTorch's)")
+                   help="the target's linear layers (decode/kernels/cpu_linear.py): " + LINEAR_BACKEND_HELP)
     return p.parse_args(argv)
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from drafttrain.config import LINEAR_BACKENDS, ConfigError, field_
+from drafttrain.config import LINEAR_BACKEND_HELP, LINEAR_BACKENDS, ConfigError, field_
 from drafttrain.errors import first_line
 
 __all__ = ["ProfileConfig", "run_profile", "plot_cost_model", "help_text"]
@@ -36,7 +36,7 @@ class ProfileConfig:
     cache_dir: str = field_("", help="cost model cache folder; '' = $DRAFTTRAIN_CACHE/costs or ~/.cache/drafttrain/costs")
     refresh: bool = field_(False, help="re-measure even when the cache has it")
     progress: bool = field_(True, help="show a progress bar with ETA")
-    linear_backend: str = field_("auto", help="the target's linear layers, as in `drafttrain eval` (part of the cache key): auto, aten, avx2, avx512, amx", choices=LINEAR_BACKENDS)
+    linear_backend: str = field_("auto", help="the target's linear layers, as in `drafttrain eval` (part of the cache key): " + LINEAR_BACKEND_HELP, choices=LINEAR_BACKENDS)
 
     def __post_init__(self) -> None:
         if not self.batch_sizes or not self.tokens or min(self.batch_sizes) < 1 or min(self.tokens) < 1:
