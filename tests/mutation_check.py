@@ -204,6 +204,11 @@ MUTANTS: list[Mutant] = [
            "blk = part_val.shape[1] - 1 - part_val.flip(1).argmax(dim=1, keepdim=True)",
            ("tests/decode/test_kernels.py::test_greedy_triton_matches_ref",),
            "the Triton path breaks ties toward the highest vocab block"),
+    Mutant("norm-kernel-gemma-scale-without-offset", "decode/kernels/cpu_linear.py",
+           'self._scale = (1.0 + s) if self.mode == "offset" else s.clone()',
+           'self._scale = s.clone()',
+           ("tests/decode/test_cpu_linear.py::test_every_rms_norm_is_routed_and_computes_its_modules_formula",),
+           "Gemma's RMS norm scales by 1 + w; the kernel must not drop the offset (or silently route nothing)"),
     # ---- training loop ---------------------------------------------------------------------------
     Mutant("resume-replays-epoch", "drafttrain/trainer.py",
            'it = acc.skip_first_batches(run.loader, state["micro_in_epoch"]) if state["micro_in_epoch"] else run.loader',

@@ -67,7 +67,7 @@ from torch import Tensor, nn
 from drafttrain.config import LINEAR_BACKENDS
 from drafttrain.decode.kernels import cpu_linear_src as _src
 
-__all__ = ["KERNELS", "head_argmax", "routes", "BACKENDS", "available", "bf16_linear", "install", "installed_backend", "setup", "is_installed", "paused",
+__all__ = ["KERNELS", "head_argmax", "routes", "BACKENDS", "available", "bf16_linear", "install", "installed_backend", "setup", "is_installed", "paused", "routed_norms",
            "uninstall", "resolve_backend", "wants_amx_linear", "wants_avx2_linear", "wants_avx512_linear"]
 
 BACKENDS = LINEAR_BACKENDS
@@ -120,10 +120,10 @@ _lock = threading.Lock()
 #: PyTorch's matrix-vector kernel under avx2, memory-bound there already; beyond `max_rows`
 #: PyTorch's matmul, whose AMX / AVX-512 paths win on compute-bound work)
 KERNELS = {
-    "avx2": _Kernel("avx2", _src.AVX2_SOURCE, {"avx2", "fma"}, ["-mavx2", "-mfma"], (2, 16)),
-    "avx512": _Kernel("avx512", _src.AVX512_SOURCE + _src.AVX512_BINDINGS, {"avx512f", "avx512bw", "avx512_bf16"},
+    "avx2": _Kernel("avx2", _src.NORM_SOURCE + _src.AVX2_SOURCE, {"avx2", "fma"}, ["-mavx2", "-mfma"], (2, 16)),
+    "avx512": _Kernel("avx512", _src.NORM_SOURCE + _src.AVX512_SOURCE + _src.AVX512_BINDINGS, {"avx512f", "avx512bw", "avx512_bf16"},
                       ["-mavx512f", "-mavx512bw", "-mavx512bf16"], (1, 8)),
-    "amx": _Kernel("amx", _src.AVX512_SOURCE + _src.AMX_SOURCE, {"avx512f", "avx512bw", "avx512_bf16", "amx_tile", "amx_bf16"},
+    "amx": _Kernel("amx", _src.NORM_SOURCE + _src.AVX512_SOURCE + _src.AMX_SOURCE, {"avx512f", "avx512bw", "avx512_bf16", "amx_tile", "amx_bf16"},
                    ["-mavx512f", "-mavx512bw", "-mavx512bf16", "-mamx-tile", "-mamx-bf16"], (1, 16)),
 }
 
@@ -251,17 +251,74 @@ def routes(module: nn.Module, rows: int) -> bool:
 
 
 def install(model: nn.Module, backend: str = "avx2") -> int:
-    """Routes each bf16 nn.Linear of `model` through `backend`'s kernel for small inputs; returns how many.
+    """Routes each bf16 nn.Linear of `model` through `backend`'s kernel for small inputs, and each RMS
+    norm whose formula the norm kernel reproduces (`_norm_mode`) through it; returns how many linears.
 
     Compiles the extension now (not at the first step), so its one-time cost is paid up front.
     """
     KERNELS[backend].load()
     n = 0
     for mod in model.modules():
-        if isinstance(mod, nn.Linear) and mod.weight.dtype == torch.bfloat16 and "forward" not in vars(mod):
+        if "forward" in vars(mod):
+            continue
+        if isinstance(mod, nn.Linear) and mod.weight.dtype == torch.bfloat16:
             mod.forward = _Forward(mod, backend)
             n += 1
+        elif (mode := _norm_mode(mod, backend)) is not None:
+            mod.forward = _Norm(mod, backend, mode)
     return n
+
+
+class _Norm:
+    """The replacement `forward` of one RMS norm: the norm kernel for decode-step inputs, the
+    module's own forward otherwise. The fp32 scale is cast once and again only when the weight
+    changes (its version counter moves: in-place ops and `load_state_dict` move it, writes through
+    `.data` do not; install again after those)."""
+
+    def __init__(self, module: nn.Module, backend: str, mode: str):
+        self.module, self.mode, self.round_first = module, mode, mode == "round-first"
+        self.max_rows = KERNELS[backend].max_rows
+        self.norm = KERNELS[backend].load().rms_norm
+        eps = getattr(module, "eps", getattr(module, "variance_epsilon", None))
+        self.eps = float(torch.finfo(torch.bfloat16).eps if eps is None else eps)  # None: nn.RMSNorm's default
+        self._scale, self._version = None, None
+
+    def scale(self) -> Tensor:
+        w = self.module.weight
+        if self._scale is None or self._version != w._version:
+            with torch.inference_mode(False), torch.no_grad():
+                s = w.detach().float()
+                self._scale = (1.0 + s) if self.mode == "offset" else s.clone()
+            self._version = w._version
+        return self._scale
+
+    def __call__(self, x: Tensor) -> Tensor:
+        d = x.shape[-1]
+        rows = x.numel() // d if d else 0
+        if (1 <= rows <= self.max_rows and x.dtype == torch.bfloat16 and not torch.is_grad_enabled()
+                and x.device.type == "cpu"):
+            return self.norm(x.reshape(rows, d).contiguous(), self.scale(), self.eps, self.round_first).view(x.shape)
+        return type(self.module).forward(self.module, x)
+
+
+def _norm_mode(mod: nn.Module, backend: str) -> str | None:
+    """"offset" (Gemma: x r (1 + w), rounded once), "round-first" (Llama, Qwen: bf16(x r) w) or None:
+    which formula the module's own forward computes on a probe of bf16 rows, or None if it is no
+    RMS norm the kernel reproduces (every element within a bf16 step, 99% exactly)."""
+    w = getattr(mod, "weight", None)
+    if (not type(mod).__name__.endswith("RMSNorm") or not isinstance(w, Tensor) or w.dim() != 1
+            or w.dtype != torch.bfloat16 or w.device.type != "cpu" or getattr(mod, "bias", None) is not None):
+        return None
+    gen = torch.Generator().manual_seed(0)
+    x = (torch.randn(5, w.shape[0], generator=gen) * 3).bfloat16()
+    with torch.inference_mode():
+        ref = type(mod).forward(mod, x).float()
+        for mode in ("offset", "round-first"):
+            got = _Norm(mod, backend, mode)(x).float()
+            step = ref.abs().clamp_min(torch.finfo(torch.float32).tiny) * 2 ** -7
+            if ((got - ref).abs() <= step).all() and (got == ref).float().mean() >= 0.99:
+                return mode
+    return None
 
 
 def setup(model: nn.Module, backend: str = "auto") -> str:
@@ -278,9 +335,9 @@ def setup(model: nn.Module, backend: str = "auto") -> str:
     t0 = time.perf_counter()
     n = install(model, name)
     k = KERNELS[name]
-    return (f"linear_backend={backend}: {n} bf16 linear layers of the target run through the {name.upper()} kernel "
-            f"for decode steps of {k.min_rows}-{k.max_rows} rows (ready in {time.perf_counter() - t0:.1f} s; "
-            "linear_backend=aten: PyTorch's)")
+    return (f"linear_backend={backend}: {n} bf16 linear layers and {routed_norms(model)} RMS norms of the target run "
+            f"through the {name.upper()} kernels for decode steps of {k.min_rows}-{k.max_rows} rows (ready in "
+            f"{time.perf_counter() - t0:.1f} s; linear_backend=aten: PyTorch's)")
 
 
 def installed_backend(model: nn.Module) -> str:
@@ -293,8 +350,13 @@ def installed_backend(model: nn.Module) -> str:
 
 
 def is_installed(module: nn.Module) -> bool:
-    """Whether `install` routed this module through a kernel."""
-    return isinstance(vars(module).get("forward"), _Forward)
+    """Whether `install` routed this module (a linear layer or an RMS norm) through a kernel."""
+    return isinstance(vars(module).get("forward"), (_Forward, _Norm))
+
+
+def routed_norms(model: nn.Module) -> int:
+    """How many RMS norms of `model` `install` routed through the norm kernel."""
+    return sum(isinstance(vars(m).get("forward"), _Norm) for m in model.modules())
 
 
 @contextmanager

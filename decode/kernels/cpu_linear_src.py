@@ -1,10 +1,70 @@
 """C++ sources of the bf16 decode-step linear kernels that `cpu_linear` compiles on first use.
 
 Kept apart from the loader so each file reads on its own: ``AVX2_SOURCE`` (bf16 -> fp32 in registers,
-fp32 FMAs), ``AVX512_SOURCE`` (``vdpbf16ps`` tiles of four or two weight rows with a software prefetch, and the
+fp32 FMAs), ``NORM_SOURCE`` (RMS norms of bf16 rows, compiled into every kernel), ``AVX512_SOURCE`` (``vdpbf16ps`` tiles of four or two weight rows with a software prefetch, and the
 fused greedy head argmax), ``AVX512_BINDINGS`` (its Python bindings) and ``AMX_SOURCE`` (tile kernels
 for 3-16 rows, appended to the AVX-512 source so small shapes fall back to its tiles). Every kernel
 sums exact bf16 products in fp32; `cpu_linear`'s docstring gives the numbers and the routing.
+"""
+
+NORM_SOURCE = r"""
+#include <torch/extension.h>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+static inline float norm_widen(uint16_t h) {
+    uint32_t u = uint32_t(h) << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t norm_round(float f) {  // round to nearest even, as PyTorch's casts do
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return uint16_t((u >> 16) | 0x40u);  // NaN stays NaN
+    return uint16_t((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+// RMS norm of bf16 rows with an fp32 scale s (the module's weight, or 1 + weight, as fp32):
+// r = 1 / sqrt(mean(x^2) + eps) in fp32, then y = bf16(x r s) (Gemma: scaled in fp32, rounded once)
+// or y = bf16(bf16(x r) s) (Llama, Qwen: rounded to bf16 before the weight). Sixteen partial sums
+// of squares; one thread (a decode step's few rows cost microseconds).
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor scale, double eps, bool round_first) {
+    TORCH_CHECK(x.dtype() == torch::kBFloat16 && x.is_contiguous() && x.dim() == 2, "x: contiguous bf16 [M, D]");
+    TORCH_CHECK(scale.dtype() == torch::kFloat32 && scale.is_contiguous() && scale.numel() == x.size(1),
+                "scale: contiguous fp32 [D]");
+    const int64_t M = x.size(0), D = x.size(1);
+    auto y = torch::empty_like(x);
+    const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+    uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
+    const float* sp = scale.data_ptr<float>();
+    const float e = float(eps);
+    for (int64_t m = 0; m < M; ++m) {
+        const uint16_t* xr = xp + m * D;
+        float part[16] = {0.f};
+        int64_t d = 0;
+        for (; d + 16 <= D; d += 16)
+            for (int j = 0; j < 16; ++j) {
+                const float v = norm_widen(xr[d + j]);
+                part[j] += v * v;
+            }
+        for (; d < D; ++d) {
+            const float v = norm_widen(xr[d]);
+            part[0] += v * v;
+        }
+        float sum = 0.f;
+        for (int j = 0; j < 16; ++j) sum += part[j];
+        const float r = 1.0f / std::sqrt(sum / float(D) + e);
+        uint16_t* yr = yp + m * D;
+        if (round_first)
+            for (d = 0; d < D; ++d) yr[d] = norm_round(norm_widen(norm_round(norm_widen(xr[d]) * r)) * sp[d]);
+        else
+            for (d = 0; d < D; ++d) yr[d] = norm_round(norm_widen(xr[d]) * r * sp[d]);
+    }
+    return y;
+}
 """
 
 AVX2_SOURCE = r"""
@@ -86,6 +146,7 @@ torch::Tensor bf16_linear_f32(torch::Tensor x, torch::Tensor w) {
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+    m.def("rms_norm", &rms_norm, "RMS norm of bf16 rows [M, D] with an fp32 scale [D] -> bf16 [M, D]");
     m.def("bf16_linear_f32", &bf16_linear_f32, "x fp32 [M, K] @ w bf16 [O, K]^T -> fp32 [M, O]");
 }
 """
@@ -256,6 +317,7 @@ torch::Tensor bf16_linear_argmax(torch::Tensor x, torch::Tensor w) {
 
 AVX512_BINDINGS = r"""
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+    m.def("rms_norm", &rms_norm, "RMS norm of bf16 rows [M, D] with an fp32 scale [D] -> bf16 [M, D]");
     m.def("bf16_linear_bf16x", &bf16_linear_bf16x, "x bf16 [M, K] @ w bf16 [O, K]^T -> fp32 [M, O]");
     m.def("bf16_linear_argmax", &bf16_linear_argmax, "argmax_o bf16(x bf16 [M, K] @ w bf16 [O, K]^T) -> int64 [M]");
 }
@@ -394,6 +456,7 @@ torch::Tensor amx_linear_argmax(torch::Tensor x, torch::Tensor w) {
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+    m.def("rms_norm", &rms_norm, "RMS norm of bf16 rows [M, D] with an fp32 scale [D] -> bf16 [M, D]");
     m.def("bf16_linear_bf16x", &bf16_linear_bf16x, "x bf16 [M, K] @ w bf16 [O, K]^T -> fp32 [M, O]");
     m.def("bf16_linear_argmax", &bf16_linear_argmax, "argmax_o bf16(x bf16 [M, K] @ w bf16 [O, K]^T) -> int64 [M]");
     m.def("amx_available", &amx_available, "whether Linux granted this process AMX tile state");

@@ -82,6 +82,42 @@ def test_install_routes_its_row_range_only_and_uninstall_restores_pytorch(backen
     assert not cpu_linear.routes(head, kern.max_rows)
 
 
+@pytest.mark.parametrize("backend", RUNNABLE)
+@pytest.mark.parametrize("fam, mode", [("gemma3", "offset"), ("llama", "round-first"), ("qwen3", "round-first")])
+def test_every_rms_norm_is_routed_and_computes_its_modules_formula(fam, mode, backend):
+    # Gemma scales by 1 + w in fp32 and rounds once; Llama / Qwen round to bf16, then scale by w.
+    # Each norm must give its module's own output to within a bf16 step, nearly all bit for bit
+    # (the sum of squares runs in another order), for decode rows; prefill rows keep the module's.
+    target = tiny_target(fam, dtype=torch.bfloat16, vocab_size=300)
+    norms = [m for m in target.modules() if type(m).__name__.endswith("RMSNorm")]
+    torch.manual_seed(1)
+    for m in norms:  # trained-looking weights, so w and 1 + w differ
+        m.weight.data = (torch.randn_like(m.weight, dtype=torch.float32) * 0.5).bfloat16()
+    kern = cpu_linear.KERNELS[backend]
+    with torch.inference_mode():
+        cpu_linear.install(target, backend)
+        try:
+            assert cpu_linear.routed_norms(target) == len(norms) > 0
+            for m in norms:
+                assert vars(m)["forward"].mode == mode
+                d = m.weight.shape[0]
+                for shape in [(1, 1, d), (2, kern.max_rows // 2, d), (1, 3, 2, d)]:
+                    x = (torch.randn(shape) * 4).bfloat16()
+                    ref, got = type(m).forward(m, x).float(), m(x).float()
+                    assert got.shape == ref.shape
+                    assert ((got - ref).abs() <= ref.abs() * 2 ** -7 + 1e-30).all()
+                    assert (got == ref).float().mean() >= 0.97
+                big = torch.randn(1, kern.max_rows + 1, d).bfloat16()
+                assert torch.equal(m(big), type(m).forward(m, big))
+            m = norms[0]
+            x = torch.randn(1, 1, m.weight.shape[0]).bfloat16()
+            m.weight.add_(1.0)  # a weight changed in place after install: the cached scale follows it
+            assert ((m(x).float() - type(m).forward(m, x).float()).abs() <= 0.02 * (1 + x.float().abs())).all()
+        finally:
+            cpu_linear.uninstall(target)
+    assert cpu_linear.routed_norms(target) == 0
+
+
 def test_float32_models_are_never_touched():
     target = tiny_target("llama")
     assert cpu_linear.install(target) == 0
