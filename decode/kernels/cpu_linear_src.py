@@ -166,8 +166,15 @@ AVX512_SOURCE = r"""
 // (a few KB, L1-resident) stream past it; vdpbf16ps sums bf16 pairs into fp32 lanes. `pf`, when
 // set, is the weight row PF rows ahead, prefetched chunk by chunk so the memory stream keeps going
 // while the core computes (without it the kernel's time was memory time plus compute time).
-template <int R, int MT>
-static inline void tile(const uint16_t* x, const uint16_t* w, float* y, int64_t K, int64_t ys, int64_t o,
+static inline void put(float* y, float v) { *y = v; }
+static inline void put(uint16_t* y, float v) {  // bf16, rounded to nearest even as PyTorch's casts round
+    uint32_t u;
+    std::memcpy(&u, &v, 4);
+    *y = ((u & 0x7FFFFFFFu) > 0x7F800000u) ? uint16_t((u >> 16) | 0x40u) : uint16_t((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+template <int R, int MT, typename T>
+static inline void tile(const uint16_t* x, const uint16_t* w, T* y, int64_t K, int64_t ys, int64_t o,
                         const uint16_t* pf) {
     __m512 acc[R][MT];
     for (int r = 0; r < R; ++r)
@@ -184,7 +191,7 @@ static inline void tile(const uint16_t* x, const uint16_t* w, float* y, int64_t 
         }
     }
     for (int r = 0; r < R; ++r)
-        for (int m = 0; m < MT; ++m) y[m * ys + r] = _mm512_reduce_add_ps(acc[r][m]);
+        for (int m = 0; m < MT; ++m) put(y + m * ys + r, _mm512_reduce_add_ps(acc[r][m]));
 }
 
 // Weight rows per tile: four for up to four rows of x (four independent sums per row; session 15's
@@ -194,8 +201,8 @@ template <int MT>
 constexpr int64_t tile_rows() { return MT <= 4 ? 4 : 2; }
 constexpr int64_t kPrefetchRows = 8;
 
-template <int MT>
-static void rows(const uint16_t* x, const uint16_t* w, float* y, int64_t K, int64_t O) {
+template <int MT, typename T>
+static void rows(const uint16_t* x, const uint16_t* w, T* y, int64_t K, int64_t O) {
     constexpr int64_t R = tile_rows<MT>();
     const int64_t tiles = O / R;
     at::parallel_for(0, tiles, 16, [&](int64_t begin, int64_t end) {
@@ -262,18 +269,11 @@ static void rows_argmax(const uint16_t* x, const uint16_t* w, int64_t* out, int6
     }
 }
 
-torch::Tensor bf16_linear_bf16x(torch::Tensor x, torch::Tensor w) {
-    TORCH_CHECK(x.dtype() == torch::kBFloat16 && x.is_contiguous() && x.dim() == 2, "x: contiguous bf16 [M, K]");
-    TORCH_CHECK(w.dtype() == torch::kBFloat16 && w.is_contiguous() && w.dim() == 2, "w: contiguous bf16 [O, K]");
-    const int64_t M = x.size(0), K = x.size(1), O = w.size(0);
-    TORCH_CHECK(w.size(1) == K, "x and w disagree on K");
-    auto y = torch::empty({M, O}, x.options().dtype(torch::kFloat32));
-    const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
-    const uint16_t* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
-    float* yp = y.data_ptr<float>();
+template <typename T>
+static void passes(const uint16_t* xp, const uint16_t* wp, T* yp, int64_t M, int64_t K, int64_t O) {
     for (int64_t m0 = 0; m0 < M; m0 += 8) {  // passes of up to 8 rows (more rows work, slowly)
         const uint16_t* xm = xp + m0 * K;
-        float* ym = yp + m0 * O;
+        T* ym = yp + m0 * O;
         switch (M - m0 < 8 ? M - m0 : 8) {
             case 1: rows<1>(xm, wp, ym, K, O); break;
             case 2: rows<2>(xm, wp, ym, K, O); break;
@@ -285,6 +285,33 @@ torch::Tensor bf16_linear_bf16x(torch::Tensor x, torch::Tensor w) {
             default: rows<8>(xm, wp, ym, K, O); break;
         }
     }
+}
+
+torch::Tensor bf16_linear_bf16x(torch::Tensor x, torch::Tensor w) {
+    TORCH_CHECK(x.dtype() == torch::kBFloat16 && x.is_contiguous() && x.dim() == 2, "x: contiguous bf16 [M, K]");
+    TORCH_CHECK(w.dtype() == torch::kBFloat16 && w.is_contiguous() && w.dim() == 2, "w: contiguous bf16 [O, K]");
+    const int64_t M = x.size(0), K = x.size(1), O = w.size(0);
+    TORCH_CHECK(w.size(1) == K, "x and w disagree on K");
+    auto y = torch::empty({M, O}, x.options().dtype(torch::kFloat32));
+    passes(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()),
+           reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()), y.data_ptr<float>(), M, K, O);
+    return y;
+}
+
+// The decode path's call: bf16 x [..., K] (any leading shape) @ w^T -> bf16 [..., O], each sum
+// rounded once, in one call from Python (no fp32 [M, O] buffer, no cast, no reshapes around it).
+torch::Tensor bf16_linear_bf16(torch::Tensor x, torch::Tensor w) {
+    TORCH_CHECK(x.dtype() == torch::kBFloat16 && x.dim() >= 1, "x: bf16 [..., K]");
+    TORCH_CHECK(w.dtype() == torch::kBFloat16 && w.dim() == 2 && w.size(1) == x.size(-1), "w: bf16 [O, K]");
+    auto xc = x.contiguous();
+    auto wc = w.contiguous();
+    const int64_t K = w.size(1), O = w.size(0), M = K ? xc.numel() / K : 0;
+    auto shape = x.sizes().vec();
+    shape.back() = O;
+    auto y = torch::empty(shape, x.options());
+    passes(reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>()),
+           reinterpret_cast<const uint16_t*>(wc.data_ptr<at::BFloat16>()),
+           reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()), M, K, O);
     return y;
 }
 
@@ -319,6 +346,7 @@ AVX512_BINDINGS = r"""
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("rms_norm", &rms_norm, "RMS norm of bf16 rows [M, D] with an fp32 scale [D] -> bf16 [M, D]");
     m.def("bf16_linear_bf16x", &bf16_linear_bf16x, "x bf16 [M, K] @ w bf16 [O, K]^T -> fp32 [M, O]");
+    m.def("bf16_linear_bf16", &bf16_linear_bf16, "x bf16 [..., K] @ w bf16 [O, K]^T -> bf16 [..., O]");
     m.def("bf16_linear_argmax", &bf16_linear_argmax, "argmax_o bf16(x bf16 [M, K] @ w bf16 [O, K]^T) -> int64 [M]");
 }
 """
@@ -458,6 +486,7 @@ torch::Tensor amx_linear_argmax(torch::Tensor x, torch::Tensor w) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("rms_norm", &rms_norm, "RMS norm of bf16 rows [M, D] with an fp32 scale [D] -> bf16 [M, D]");
     m.def("bf16_linear_bf16x", &bf16_linear_bf16x, "x bf16 [M, K] @ w bf16 [O, K]^T -> fp32 [M, O]");
+    m.def("bf16_linear_bf16", &bf16_linear_bf16, "x bf16 [..., K] @ w bf16 [O, K]^T -> bf16 [..., O]");
     m.def("bf16_linear_argmax", &bf16_linear_argmax, "argmax_o bf16(x bf16 [M, K] @ w bf16 [O, K]^T) -> int64 [M]");
     m.def("amx_available", &amx_available, "whether Linux granted this process AMX tile state");
     m.def("amx_linear", &amx_linear, "AMX: x bf16 [M <= 16, K] @ w bf16 [O, K]^T -> fp32 [M, O]");
