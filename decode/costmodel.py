@@ -252,6 +252,7 @@ def _cache_file(identity: dict, cache_dir: str | Path) -> Path:
     if identity.get("linear", "aten") != "aten":  # a kernel changes every step's cost (aten: the old key)
         keyed["linear"] = identity["linear"]
         keyed["drafters"] = "kernel"  # loaded drafters run through it too (session 14): older draft costs differ
+        keyed["norms"] = "kernel"  # RMS norms through the norm kernel too (session 15): every step is cheaper
     digest = hashlib.sha256(json.dumps(keyed, sort_keys=True).encode()).hexdigest()[:16]
     return Path(cache_dir).expanduser() / f"{identity['model_type']}-{digest}.json"
 
