@@ -6,7 +6,8 @@ Every row trains `recipe=eagle` (plus the key=value arguments given here, e.g.
 data.num_samples=900) for the same number of optimizer steps on the same records, with the
 target's features read from one shared offline cache (computed by the first row that needs it),
 and is scored on the same held-out records: top-1 agreement per unroll step, the chance that a
-sampled draft is accepted at T=1 (sum min(p, q)) and the teacher-forced greedy tau. Throughput
+sampled draft is accepted at T=1 (sum min(p, q)), the teacher-forced greedy tau averaged over
+every position and walked root to root as decoding visits them (tau_walk: what decoding reaches). Throughput
 rows (online features, fewer unroll steps) also report tokens/s. A row whose run folder already
 holds a summary.json is read, not rerun, so a killed ablation resumes; two ablate processes on
 the same --out share the rows (one waits for a row the other is training). Prints a markdown table
@@ -38,7 +39,8 @@ ROWS: dict[str, tuple[str, list[str]]] = {
     "rawfeat": ("fc over the raw target features (no per-dimension scale; the recipe before session 13)",
                 ["drafter.feature_scale=false"]),
 }
-METRICS = ("eval/acc_0", "eval/acc_1", "eval/acc_2", "eval/accept_t1_0", "eval/accept_t1_1", "eval/tau_sim")
+METRICS = ("eval/acc_0", "eval/acc_1", "eval/acc_2", "eval/accept_t1_0", "eval/accept_t1_1", "eval/tau_sim",
+           "eval/tau_walk")
 
 
 def run_row(name: str, overrides: list[str], common: list[str], out: Path, steps: int) -> dict:
@@ -73,7 +75,7 @@ def _alive(pid: int) -> bool:
 
 
 def table(results: dict[str, dict], steps: int) -> str:
-    head = ["row", "what changes", "tok/s", "acc_0", "acc_1", "acc_2", "T=1 acc_0", "T=1 acc_1", "tau_sim"]
+    head = ["row", "what changes", "tok/s", "acc_0", "acc_1", "acc_2", "T=1 acc_0", "T=1 acc_1", "tau_sim", "tau_walk"]
     lines = [f"Equal budget: {steps} optimizer steps each, same records, same held-out set.", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, s in results.items():

@@ -18,7 +18,11 @@ def format_summary(summary: dict) -> str:
     if t1 := [v for k, v in summary.items() if k.startswith("eval/accept_t1_")]:
         lines.append("  held-out T=1 " + " ".join(f"{v:.3f}" for v in t1) + "  (sampled draft accepted: sum min(p, q))")
     if "eval/tau_sim" in summary:
-        lines.append(f"  held-out simulated tau {summary['eval/tau_sim']:.3f}  (teacher-forced greedy chain, bonus included)")
+        lines.append(f"  held-out simulated tau {summary['eval/tau_sim']:.3f}  (teacher-forced greedy chain averaged over "
+                     "every position, bonus included)")
+    if "eval/tau_walk" in summary:
+        lines.append(f"  held-out walked tau    {summary['eval/tau_walk']:.3f}  (the same chain walked root to root as "
+                     "greedy decoding visits them: what decoding this text reaches)")
     if "eval/decode_tau" in summary:
         lines.append(f"  held-out decoding tau  {summary['eval/decode_tau']:.3f}  (real greedy decoding, bonus included; "
                      f"{summary.get('eval/decode_tokens_per_s', 0):.1f} tok/s)")

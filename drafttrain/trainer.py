@@ -66,6 +66,8 @@ class StepMetrics:
     count: list[int] = field(default_factory=list)
     run_len_sum: int = 0
     run_len_n: int = 0
+    walk_tokens: int = 0
+    walk_cycles: int = 0
     tokens: int = 0
     topk_correct: list[int] = field(default_factory=list)  # per-head top-k hits (Medusa)
     topk: int = 0
@@ -88,6 +90,8 @@ class StepMetrics:
             self.overlap = [a + b for a, b in zip(self.overlap or [0.0] * len(m["overlap"]), m["overlap"])]
         self.run_len_sum += m["run_len_sum"]
         self.run_len_n += m["run_len_n"]
+        self.walk_tokens += m.get("walk_tokens", 0)
+        self.walk_cycles += m.get("walk_cycles", 0)
         self.tokens += tokens
 
     def summary(self, prefix: str) -> dict:
@@ -102,6 +106,8 @@ class StepMetrics:
         for k, (o, n) in enumerate(zip(self.overlap, self.count)):  # sampled drafts' acceptance at T=1
             out[f"{prefix}/accept_t1_{k}"] = o / max(n, 1)
         out[f"{prefix}/tau_sim"] = simulated_tau(self.run_len_sum, self.run_len_n)
+        if self.walk_cycles:  # what a greedy chain decoding this text would reach (losses.walk_chain)
+            out[f"{prefix}/tau_walk"] = self.walk_tokens / self.walk_cycles
         return out
 
 

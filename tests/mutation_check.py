@@ -209,6 +209,11 @@ MUTANTS: list[Mutant] = [
            'self._scale = s.clone()',
            ("tests/decode/test_cpu_linear.py::test_every_rms_norm_is_routed_and_computes_its_modules_formula",),
            "Gemma's RMS norm scales by 1 + w; the kernel must not drop the offset (or silently route nothing)"),
+    Mutant("walked-tau-skips-the-bonus", "drafttrain/losses.py",
+           "                t += a + 1\n",
+           "                t += a + 2\n",
+           ("tests/decode/test_walked_tau.py::test_walked_tau_equals_decoded_tau_and_the_position_average_does_not",),
+           "the held-out walked tau must step root to root as decoding does (accepted + bonus), or it stops predicting decoded tau"),
     # ---- training loop ---------------------------------------------------------------------------
     Mutant("resume-replays-epoch", "drafttrain/trainer.py",
            'it = acc.skip_first_batches(run.loader, state["micro_in_epoch"]) if state["micro_in_epoch"] else run.loader',

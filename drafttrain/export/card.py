@@ -194,10 +194,12 @@ def render_card(meta: dict, *, fmt: str, model_ref: str, verifier: str | None = 
                     "forward, bonus token included; speedup = baseline wall time / speculative wall time on the "
                     "same prompts and hardware.\n")
     else:
-        sim = metrics.get("eval/tau_sim")
+        sim, walk = metrics.get("eval/tau_sim"), metrics.get("eval/tau_walk")
         measured = ("## Measured\n\nNo `drafttrain eval` results were given (pass `--results results.json`). "
                     + (f"Training held-out simulated τ (teacher-forced greedy chain, bonus included): {sim}.\n"
-                       if sim is not None else "\n"))
+                       if sim is not None else "\n")
+                    + (f"Walked root to root as greedy decoding visits them, the same chain reaches τ {walk:.3f}.\n"
+                       if walk is not None else ""))
     trust = bool(tr.get("trust_remote_code", False))
     text = front_matter(meta, fmt, verifier) + f"""# {method.upper()} drafter for `{base}` ({fmt} format)
 
