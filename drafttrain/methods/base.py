@@ -62,7 +62,8 @@ class DrafterMethod:
         coverage = 1.0
         if drafter.cfg.draft_vocab_size < drafter.cfg.vocab_size:
             counts = token_counts(train_ds, drafter.cfg.vocab_size)
-            d2t, t2d, coverage = build_vocab_mapping(counts, drafter.cfg.draft_vocab_size)
+            prompts = token_counts(train_ds, drafter.cfg.vocab_size, context=True)
+            d2t, t2d, coverage = build_vocab_mapping(counts, drafter.cfg.draft_vocab_size, tie_break=prompts)
             drafter.set_vocab_mapping(d2t, t2d)
         drafter.attach_target(target)
         drafter.init_from_target(target)

@@ -63,3 +63,17 @@ def test_corrupted_mappings_are_named():
     t[0] = not t[0]
     with pytest.raises(ValueError):
         validate_vocab_mapping(d2t, t)
+
+
+def test_free_slots_go_to_prompt_tokens_before_never_seen_ones():
+    # 3 answer tokens for a vocabulary of 5: the two free slots take the prompts' most frequent
+    # tokens (ids 7, then 2), not the lowest never-seen ids; answer tokens still come first
+    counts = torch.zeros(10)
+    counts[[4, 5, 9]] = torch.tensor([3.0, 1.0, 2.0])
+    prompts = torch.zeros(10)
+    prompts[[2, 7, 8, 4]] = torch.tensor([2.0, 5.0, 1.0, 9.0])
+    d2t, t2d, cov = build_vocab_mapping(counts, 5, tie_break=prompts)
+    assert torch.nonzero(t2d).flatten().tolist() == [2, 4, 5, 7, 9]
+    assert cov == 1.0
+    _, t2d_plain, _ = build_vocab_mapping(counts, 5)
+    assert torch.nonzero(t2d_plain).flatten().tolist() == [0, 1, 4, 5, 9]
