@@ -145,6 +145,8 @@ def verify_tree(target_logits: Tensor, tokens: Tensor, parents: Tensor, draft_pr
     probs = process_logits(target_logits, temperature, top_k, top_p, check=False)  # [B, N, V] f32
     if typical is not None:
         return verify_typical_ref(probs, tokens, parents, typical, exponentials)
+    if _is_chain(parents):
+        return verify_sampled_chain(probs, tokens, draft_probs, uniforms, exponentials)
     return verify_sampled_ref(probs, tokens, parents, draft_probs, uniforms, exponentials)
 
 
@@ -298,6 +300,46 @@ def verify_sampled_ref(probs: Tensor, tokens: Tensor, parents: Tensor, draft_pro
     return VerifyResult(_pack_path(mask), mask.sum(1), sample_weights(r, exponentials), cur)
 
 
+def verify_sampled_chain(probs: Tensor, tokens: Tensor, draft_probs: Tensor | None, uniforms: Tensor,
+                         exponentials: Tensor) -> VerifyResult:
+    """`verify_sampled_ref` for chains, with the same result bit for bit and one vocabulary pass.
+
+    In a chain every node has one child, so a rejection ends the walk: the accept tests need only
+    the scalars p_{c-1}(x_c) and q_{c-1}(x_c) (all gathered at once), the residual is formed once,
+    at the first rejected node, and nothing vocabulary-wide happens per node. The tree walk does
+    seven [B, V] operations per node: 10 ms of a 6-node chain over Gemma's 262k vocabulary on the
+    2-core CPU, a quarter of a target step.
+    """
+    B, N, V = probs.shape
+    rows = torch.arange(B, device=probs.device)
+    K = N - 1
+    x = tokens[:, 1:].clamp_min(0)  # [B, K] the drafts; node c's token is tested at node c - 1
+    p_x = probs[:, :K].gather(2, x[:, :, None])[:, :, 0].double()  # [B, K]
+    if draft_probs is None:
+        q_x = torch.ones_like(p_x)
+    else:
+        q_x = draft_probs[:, :K].gather(2, x[:, :, None])[:, :, 0].float().double()
+    ok = (q_x > 0) & (uniforms[:, 1:] * q_x < p_x)  # s = 1 at every accepted node of a chain
+    run = ok.long().cumprod(1)  # accepted prefix
+    n_acc = run.sum(1)  # [B]
+    cur = n_acc  # the last accepted node (0 = the root)
+    p_cur = probs[rows, cur]  # [B, V]
+    rejected = n_acc < K
+    r = p_cur
+    if bool(rejected.any()):
+        node = cur.clamp(max=K - 1)
+        if draft_probs is None:
+            r_rej = p_cur.scatter(1, x[rows, node][:, None], 0.0)
+        else:
+            q = draft_probs[rows, node.clamp(max=draft_probs.shape[1] - 1)].float()
+            r_rej = (p_cur - q).clamp_min(0.0)
+        empty = r_rej.sum(-1, dtype=torch.float64) <= 0
+        r_rej = torch.where(empty[:, None], p_cur, r_rej)
+        r = torch.where(rejected[:, None], r_rej, p_cur)
+    mask = torch.cat([torch.zeros(B, 1, dtype=torch.bool, device=probs.device), run.bool()], 1)
+    return VerifyResult(_pack_path(mask), n_acc, sample_weights(r, exponentials), cur)
+
+
 # ---------------------------------------------------------------------------------------------
 # Helpers
 # ---------------------------------------------------------------------------------------------
@@ -411,6 +453,7 @@ def _check_inputs(target_logits: Tensor, tokens: Tensor, parents: Tensor,
         if draft_probs.shape not in ((B, N, V), (B, N - 1, V)):
             raise ValueError(f"draft_probs must be [B, N, V] = [{B}, {N}, {V}] (or [B, N-1, V]), "
                              f"got {list(draft_probs.shape)}")
-        if not bool(torch.isfinite(draft_probs).all()) or bool((draft_probs < 0).any()):
+        lo, hi = torch.aminmax(draft_probs) if draft_probs.numel() else (draft_probs.new_zeros(()),) * 2
+        if not (bool(torch.isfinite(hi)) and bool(lo >= 0)):  # one pass; a NaN propagates to both
             raise ValueError("draft_probs must be finite and non-negative (processed probabilities)")
 

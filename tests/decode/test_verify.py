@@ -26,6 +26,7 @@ from drafttrain.decode.verify import (
     chain_parents,
     verify_chain,
     verify_greedy_ref,
+    verify_sampled_chain,
     verify_sampled_ref,
     verify_tree,
 )
@@ -234,6 +235,38 @@ def test_chain_tree_walk_equals_parallel_chain_path(with_q):
     assert 0 < int(walk.num_accepted.sum()) < B * gamma  # both accepts and rejections happened
 
 
+@pytest.mark.parametrize("with_q", [True, False])
+@pytest.mark.parametrize("gamma", [0, 1, 4])
+def test_sampled_chain_path_equals_tree_walk_bit_for_bit(with_q, gamma):
+    """verify_tree sends CPU chains through verify_sampled_chain (one vocabulary pass instead of
+    seven per node); it must give the tree walk's outcome exactly, with both keyed emit draws,
+    including residuals that are empty (p == q) and drafts q claims impossible."""
+    g = torch.Generator().manual_seed(2 + gamma)
+    B, V = 256, 7
+    logits = torch.randn(B, gamma + 1, V, generator=g) * 2
+    logits[B // 2 :, :, 0] += 6  # peaked rows: long accepted runs and bonus tokens
+    probs = process_logits(logits, 0.8)
+    q = process_logits(torch.randn(B, gamma + 1, V, generator=g), 1.0) if with_q else None
+    drafts = torch.randint(0, V, (B, gamma), generator=g)
+    if with_q and gamma:
+        q[:8] = probs[:8]  # p == q: always accepted, and a rejection's residual would be empty
+        q[8:16, 0] = 0.0
+        q[8:16, 0, 3] = 1.0
+        drafts[8:16, 0] = 1  # q(x) = 0 at the drafted token: rejected whatever u is
+    tokens = torch.cat([drafts.new_zeros(B, 1), drafts], 1)
+    positions = torch.arange(B) * 5
+    u = counter_uniform(3, positions[:, None], torch.arange(gamma + 1)[None, :], STREAM_ACCEPT)
+    parents = chain_parents(B, gamma)
+    for e in (counter_exponential(3, positions, V), torch.rand(B, dtype=torch.float64, generator=g)):
+        walk = verify_sampled_ref(probs, tokens, parents, q, u, e)
+        fast = verify_sampled_chain(probs, tokens, q, u, e)
+        for f in ("accepted", "num_accepted", "next_token", "last_node"):
+            assert torch.equal(getattr(walk, f), getattr(fast, f)), f
+    if gamma:
+        assert 0 < int(walk.num_accepted.sum()) < B * gamma  # both accepts and rejections happened
+        assert (walk.num_accepted == gamma).any()
+
+
 def test_seeded_rows_do_not_depend_on_batch():
     g = torch.Generator().manual_seed(3)
     B, N, V = 6, 5, 9
@@ -316,6 +349,16 @@ def test_nan_inf_logits_raise(bad):
     for t in (0.0, 1.0):
         with pytest.raises(ValueError, match="NaN or \\+inf"):
             verify_chain(logits, torch.zeros(2, 2, dtype=torch.long), temperature=t)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf"), -0.1])
+def test_bad_draft_probs_raise(bad):
+    logits = torch.randn(2, 3, 5)
+    q = process_logits(torch.randn(2, 2, 5), 1.0)
+    verify_chain(logits, torch.zeros(2, 2, dtype=torch.long), q, temperature=1.0)
+    q[1, 1, 4] = bad
+    with pytest.raises(ValueError, match="draft_probs must be finite and non-negative"):
+        verify_chain(logits, torch.zeros(2, 2, dtype=torch.long), q, temperature=1.0)
 
 
 def test_all_masked_row_raises_but_masking_is_allowed():
