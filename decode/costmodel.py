@@ -7,6 +7,12 @@ answers two questions for adaptive speculation (proposers/scheduler.py) and the 
                                  `batch` rows, at the measured context length
     draft_time(name, batch)      ms of one draft step (one token per row) of proposer `name`
 
+Both are measured twice: greedy (the fused LM-head argmax, greedy drafts) and sampled (full
+logits + the rejection-sampling verification at T = 1, sampled drafts with their probabilities);
+`at(temperature)` picks the one a decode runs at. Sampling costs more on both sides (a 262k-vocab
+softmax per verified token; draft probabilities scattered into the target's vocabulary), so a
+schedule priced greedily at T > 0 drafts longer than pays.
+
 Layout:
     CostModel            the measured grid + per-proposer costs + meta (who, where, when); save / load
     measure_cost_model   times `kv.target_forward` on a filled KV cache and each proposer's steps
@@ -100,11 +106,14 @@ class CostModel:
             tokens per row at context `meta["context"]`; a full grid (every batch x every tokens).
         draft_ms: {proposer key: {batch: ms per draft step}}.
         meta: target identity, device, dtype, torch threads and version, context length, date.
+        sampled: the same grid and proposers timed at temperature > 0 (its own verify_ms /
+            draft_ms; meta is this one's), or None (older files, or measured greedy only).
     """
 
     verify_ms: dict[tuple[int, int], float]
     draft_ms: dict[str, dict[int, float]] = field(default_factory=dict)
     meta: dict = field(default_factory=dict)
+    sampled: CostModel | None = None
 
     def __post_init__(self) -> None:
         if not self.verify_ms:
@@ -127,6 +136,11 @@ class CostModel:
         self._memo: dict = {}
 
     # ---- queries ------------------------------------------------------------------------------------
+    def at(self, temperature: float) -> CostModel:
+        """The costs a decode at `temperature` pays: the sampled ones when T > 0 and they were
+        measured, else these (greedy)."""
+        return self.sampled if temperature > 0 and self.sampled is not None else self
+
     def verify_time(self, batch: int, tokens: int) -> float:
         """ms of one target forward over `tokens` new tokens per row for `batch` rows."""
         key = (batch, tokens)
@@ -185,6 +199,8 @@ class CostModel:
             for name, c in sorted(self.draft_ms.items()):
                 cells = "".join(f"{c[b]:>{width}.3f}" if b in c else f"{'-':>{width}}" for b in batches)
                 lines.append(f"{name:>33}" + cells)
+        if self.sampled is not None:
+            lines += ["", "sampled (temperature > 0):", self.sampled.table()]
         return "\n".join(lines)
 
     # ---- JSON -------------------------------------------------------------------------------------
@@ -193,13 +209,19 @@ class CostModel:
         for (b, t), ms in sorted(self.verify_ms.items()):
             verify.setdefault(str(b), {})[str(t)] = ms
         draft = {n: {str(b): ms for b, ms in sorted(c.items())} for n, c in sorted(self.draft_ms.items())}
-        return {"version": _VERSION, "meta": self.meta, "verify_ms": verify, "draft_ms": draft}
+        out = {"version": _VERSION, "meta": self.meta, "verify_ms": verify, "draft_ms": draft}
+        if self.sampled is not None:
+            sampled = self.sampled.to_json()
+            out["sampled"] = {"verify_ms": sampled["verify_ms"], "draft_ms": sampled["draft_ms"]}
+        return out
 
     @classmethod
     def from_json(cls, data: dict) -> CostModel:
         verify = {(int(b), int(t)): float(ms) for b, row in data["verify_ms"].items() for t, ms in row.items()}
         draft = {n: {int(b): float(ms) for b, ms in c.items()} for n, c in data.get("draft_ms", {}).items()}
-        return cls(verify, draft, dict(data.get("meta", {})))
+        meta = dict(data.get("meta", {}))
+        sampled = cls.from_json({**data["sampled"], "meta": meta}) if data.get("sampled") else None
+        return cls(verify, draft, meta, sampled)
 
     def save(self, path: str | Path) -> Path:
         path = Path(path).expanduser()
@@ -263,9 +285,12 @@ def _sync(device: torch.device) -> None:
 
 
 def _time_verify(target: nn.Module, batch: int, tokens: list[int], context: int, repeats: int,
-                 bar) -> dict[tuple[int, int], float]:
-    """Median ms of target_forward over t new tokens per row after a `context`-token prefill."""
+                 bar, temperature: float = 0.0) -> dict[tuple[int, int], float]:
+    """Median ms of one verification of t new tokens per row after a `context`-token prefill:
+    greedy (T = 0) the forward with the fused argmax head; sampled (T > 0) the forward's full
+    logits and `verify_tree`'s rejection sampling of a chain against random draft probabilities."""
     from drafttrain.decode.kv import KVState, target_forward
+    from drafttrain.decode.verify import verify_tree
 
     device = next(target.parameters()).device
     vocab = target.get_output_embeddings().weight.shape[0]
@@ -280,11 +305,16 @@ def _time_verify(target: nn.Module, batch: int, tokens: list[int], context: int,
         new = torch.randint(0, vocab, (batch, t), generator=g).to(device)
         pos = context + torch.arange(t, device=device).expand(batch, -1)
         parents = torch.arange(-1, t - 1, device=device).expand(batch, -1)
+        q = torch.rand(batch, t, vocab, generator=g).to(device).softmax(-1) if temperature > 0 else None
         times = []
         for r in range(repeats + 1):  # the first call warms up
             _sync(device)
             t0 = time.perf_counter()
-            target_forward(target, kv, new, pos, parents, head="argmax")
+            if temperature > 0:
+                logits, _ = target_forward(target, kv, new, pos, parents)
+                verify_tree(logits, new, parents, q, temperature=temperature, seed=r, positions=pos)
+            else:
+                target_forward(target, kv, new, pos, parents, head="argmax")
             _sync(device)
             if r:
                 times.append((time.perf_counter() - t0) * 1e3)
@@ -321,8 +351,9 @@ class _Timed(Proposer):
         self.times.append(self._ms + (time.perf_counter() - t0) * 1e3)
 
 
-def _time_draft(target: nn.Module, proposer, batch: int, context: int, repeats: int, gamma: int = 4) -> float:
-    """Median ms per draft step of `proposer` (see the module docstring)."""
+def _time_draft(target: nn.Module, proposer, batch: int, context: int, repeats: int, gamma: int = 4,
+                temperature: float = 0.0) -> float:
+    """Median ms per draft step of `proposer` (see the module docstring), at `temperature`."""
     from drafttrain.decode.engine import speculative_generate
 
     device = next(target.parameters()).device
@@ -330,14 +361,15 @@ def _time_draft(target: nn.Module, proposer, batch: int, context: int, repeats: 
     ids = torch.randint(3, vocab, (batch, context), generator=torch.Generator().manual_seed(1)).to(device)
     timed = _Timed(proposer, device)
     steps = max(repeats, 1) + 1
-    speculative_generate(target, timed, ids, max_new_tokens=steps * (gamma + 1), gamma=gamma, eos_token_id=[])
+    speculative_generate(target, timed, ids, max_new_tokens=steps * (gamma + 1), gamma=gamma, eos_token_id=[],
+                         temperature=temperature, seed=0 if temperature > 0 else None)
     later = timed.times[1:] or timed.times  # the first call reads the whole prompt
     return statistics.median(later) / gamma
 
 
 def measure_cost_model(target: nn.Module, proposers: dict | None = None, *, batch_sizes=(1, 2, 4, 8, 16),
                        tokens=(1, 2, 3, 4, 5, 6, 8, 12, 16), context: int = 256, repeats: int = 3,
-                       progress: bool = True, verify: bool = True) -> CostModel | dict[str, dict[int, float]]:
+                       progress: bool = True, verify: bool = True, sampled: bool = True) -> CostModel:
     """Times the target's verification forward on a grid and each proposer's draft step.
 
     Args:
@@ -347,10 +379,12 @@ def measure_cost_model(target: nn.Module, proposers: dict | None = None, *, batc
         context: committed tokens per row in the KV cache before each timed forward.
         repeats: timed calls per point (median), after one warm-up call.
         progress: show a progress bar with ETA.
-        verify: False times the proposers only and returns {key: {batch: ms}}.
+        verify: False times the proposers only (the returned model's verify_ms is then a
+            placeholder {(1, 1): 0.0}: read its draft_ms, and its sampled one's).
+        sampled: also time everything at T = 1 (`CostModel.sampled`); about doubles the time.
 
     Returns:
-        A CostModel (or, with verify=False, the draft costs alone).
+        A CostModel, with `.sampled` when `sampled`.
     """
     from tqdm.auto import tqdm
 
@@ -360,27 +394,32 @@ def measure_cost_model(target: nn.Module, proposers: dict | None = None, *, batc
         raise ValueError("batch_sizes and tokens must be non-empty lists of integers >= 1")
     if context < 1 or repeats < 1:
         raise ValueError("context and repeats must be >= 1")
-    total = (len(batch_sizes) * len(tokens) if verify else 0) + len(proposers) * len(batch_sizes)
+    temps = (0.0, 1.0) if sampled else (0.0,)
+    total = len(temps) * ((len(batch_sizes) * len(tokens) if verify else 0) + len(proposers) * len(batch_sizes))
     bar = tqdm(total=total, desc="profile", unit="pt", disable=not progress, dynamic_ncols=True)
-    verify_ms: dict[tuple[int, int], float] = {}
-    draft_ms: dict[str, dict[int, float]] = {}
+    measured = []
     with torch.inference_mode():
-        if verify:
-            for b in batch_sizes:
-                bar.set_postfix_str(f"verify batch {b}")
-                verify_ms.update(_time_verify(target, b, tokens, context, repeats, bar))
-        for name, proposer in proposers.items():
-            for b in batch_sizes:
-                bar.set_postfix_str(f"draft {name} batch {b}")
-                draft_ms.setdefault(name, {})[b] = _time_draft(target, proposer, b, context, repeats)
-                bar.update(1)
+        for temp in temps:
+            verify_ms: dict[tuple[int, int], float] = {}
+            draft_ms: dict[str, dict[int, float]] = {}
+            how = "sampled" if temp else "greedy"
+            if verify:
+                for b in batch_sizes:
+                    bar.set_postfix_str(f"{how} verify batch {b}")
+                    verify_ms.update(_time_verify(target, b, tokens, context, repeats, bar, temperature=temp))
+            for name, proposer in proposers.items():
+                for b in batch_sizes:
+                    bar.set_postfix_str(f"{how} draft {name} batch {b}")
+                    draft_ms.setdefault(name, {})[b] = _time_draft(target, proposer, b, context, repeats,
+                                                                   temperature=temp)
+                    bar.update(1)
+            measured.append((verify_ms or {(1, 1): 0.0}, draft_ms))
     bar.close()
-    if not verify:
-        return draft_ms
     meta = _identity(target)
     meta.update(context=context, repeats=repeats, head="argmax",
                 date=datetime.now(timezone.utc).isoformat(timespec="seconds"))
-    return CostModel(verify_ms, draft_ms, meta)
+    models = [CostModel(v, d, meta) for v, d in measured]
+    return CostModel(models[0].verify_ms, models[0].draft_ms, meta, models[1] if sampled else None)
 
 
 def load_or_measure(target: nn.Module, proposers: dict | None = None, *,
@@ -390,8 +429,8 @@ def load_or_measure(target: nn.Module, proposers: dict | None = None, *,
 
     The cache file is keyed by the target (config hash, parameter count, dtype), the device name,
     torch threads and torch version. A cached grid that lacks a requested (batch, tokens) point or
-    was measured at another context is re-measured; proposers not in the cache are measured and
-    added; everything else is reused.
+    was measured at another context or without its sampled (T > 0) half is re-measured; proposers
+    not in the cache are measured (greedy and sampled) and added; everything else is reused.
 
     Args:
         target: the target model.
@@ -399,7 +438,7 @@ def load_or_measure(target: nn.Module, proposers: dict | None = None, *,
         cache_dir: where the JSON files live (None: `default_cache_dir()`).
         refresh: re-measure everything.
         progress: progress bar.
-        **kw: `measure_cost_model` settings (batch_sizes, tokens, context, repeats).
+        **kw: `measure_cost_model` settings (batch_sizes, tokens, context, repeats, sampled).
 
     Returns:
         The CostModel (also saved, with the path in `meta["path"]`).
@@ -415,20 +454,28 @@ def load_or_measure(target: nn.Module, proposers: dict | None = None, *,
             cm = None
     want_b = kw.get("batch_sizes", (1, 2, 4, 8, 16))
     want_t = kw.get("tokens", (1, 2, 3, 4, 5, 6, 8, 12, 16))
-    stale = cm is None or not cm.covers(want_b, want_t) or cm.meta.get("context") != kw.get("context", 256)
+    want_s = kw.get("sampled", True)
+    stale = (cm is None or (want_s and cm.sampled is None) or not cm.covers(want_b, want_t)
+             or cm.meta.get("context") != kw.get("context", 256))
     if stale:
         fresh = measure_cost_model(target, proposers, progress=progress, **kw)
-        if cm is not None and not refresh:  # keep drafters measured earlier that were not asked for now
+        if cm is not None and not refresh and (cm.sampled is not None or not want_s):  # keep drafters measured earlier
             fresh.draft_ms = {**cm.draft_ms, **fresh.draft_ms}
+            if want_s:
+                fresh.sampled.draft_ms = {**cm.sampled.draft_ms, **fresh.sampled.draft_ms}
         cm = fresh
     else:
-        missing = {k: p for k, p in proposers.items() if k not in cm.draft_ms}
+        missing = {k: p for k, p in proposers.items()
+                   if k not in cm.draft_ms or (want_s and k not in cm.sampled.draft_ms)}
         if missing:
             kw2 = {k: v for k, v in kw.items() if k != "tokens"}
             kw2["batch_sizes"] = cm.batch_sizes
             kw2["context"] = cm.meta.get("context", 256)
             added = measure_cost_model(target, missing, progress=progress, verify=False, **kw2)
-            cm = CostModel(cm.verify_ms, {**cm.draft_ms, **added}, cm.meta)
+            sampled = cm.sampled
+            if added.sampled is not None:
+                sampled = CostModel(cm.sampled.verify_ms, {**cm.sampled.draft_ms, **added.sampled.draft_ms}, cm.meta)
+            cm = CostModel(cm.verify_ms, {**cm.draft_ms, **added.draft_ms}, cm.meta, sampled)
         else:
             cm.meta["path"] = str(path)
             return cm

@@ -3,8 +3,9 @@
     drafttrain profile target=gemma-3-270m proposers=ngram,early-exit:6 batch_sizes=1,4,16
 
 Prints the verification grid (ms per forward: batch x tokens per row) and each proposer's draft
-step (ms per step, per batch size), and writes a PNG: verify ms vs tokens per row, one line per
-batch size; draft ms per step vs batch size, one line per proposer. The JSON lands in the cache
+step (ms per step, per batch size), greedy and (`sampled=true`, the default) at T = 1, and writes
+a PNG: verify ms vs tokens per row, one line per batch size; draft ms per step vs batch size, one
+line per proposer; T = 1 dashed. The JSON lands in the cache
 (`cache_dir`), where adaptive / hybrid proposers find it; `refresh=true` re-measures.
 
 Deliberately not here: the measuring and the cache (drafttrain.decode.costmodel), decoding.
@@ -31,6 +32,7 @@ class ProfileConfig:
     tokens: list[int] = field_(default_factory=lambda: [1, 2, 3, 4, 5, 6, 8, 12, 16], help="new tokens per row per forward")
     context: int = field_(256, help="tokens already in the KV cache per row")
     repeats: int = field_(3, help="timed calls per point (median), after one warm-up")
+    sampled: bool = field_(True, help="also time everything at T = 1 (full logits + rejection sampling, sampled drafts): what adaptive decoding prices T > 0 with; about doubles the time")
     threads: int = field_(0, help="torch threads; 0 = leave as is (part of the cache key)")
     output: str = field_("runs/profile/cost_model.png", help="PNG plot path (the JSON goes to cache_dir; a copy beside the PNG)")
     cache_dir: str = field_("", help="cost model cache folder; '' = $DRAFTTRAIN_CACHE/costs or ~/.cache/drafttrain/costs")
@@ -61,13 +63,21 @@ def plot_cost_model(cm, path: str | Path) -> Path:
     import matplotlib.pyplot as plt
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for b in cm.batch_sizes:
-        left.plot(cm.token_counts, [cm.verify_ms[b, t] for t in cm.token_counts], marker="o", label=f"batch {b}")
-    left.set(xlabel="tokens per row", ylabel="ms per target forward", title="verification")
-    left.legend(fontsize=8)
-    for name, costs in sorted(cm.draft_ms.items()):
-        xs = sorted(costs)
-        right.plot(xs, [costs[x] for x in xs], marker="o", label=name)
+    colours = {}
+    for model, style, tag in ((cm, "-", ""), (cm.sampled, "--", " T=1")):
+        if model is None:
+            continue
+        for b in model.batch_sizes:
+            line, = left.plot(model.token_counts, [model.verify_ms[b, t] for t in model.token_counts], style,
+                              marker="o", color=colours.get(b), label=f"batch {b}{tag}")
+            colours.setdefault(b, line.get_color())
+        for name, costs in sorted(model.draft_ms.items()):
+            xs = sorted(costs)
+            line, = right.plot(xs, [costs[x] for x in xs], style, marker="o", color=colours.get(name),
+                               label=f"{name}{tag}")
+            colours.setdefault(name, line.get_color())
+    left.set(xlabel="tokens per row", ylabel="ms per target forward", title="verification (dashed: T=1)")
+    left.legend(fontsize=7, ncol=2)
     right.set(xlabel="batch size", ylabel="ms per draft step", title="drafting")
     if cm.draft_ms:
         right.legend(fontsize=8)
@@ -109,7 +119,8 @@ def run_profile(cfg: ProfileConfig):
             raise ConfigError(f"proposer {spec!r}: {first_line(e)}") from None
         proposers[proposer_key(p)] = p
     cm = load_or_measure(target, proposers, cache_dir=cfg.cache_dir or None, refresh=cfg.refresh, progress=cfg.progress,
-                         batch_sizes=cfg.batch_sizes, tokens=cfg.tokens, context=cfg.context, repeats=cfg.repeats)
+                         batch_sizes=cfg.batch_sizes, tokens=cfg.tokens, context=cfg.context, repeats=cfg.repeats,
+                         sampled=cfg.sampled)
     print(cm.table())
     png = plot_cost_model(cm, cfg.output)
     copy = cm.save(png.with_suffix(".json"))

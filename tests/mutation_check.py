@@ -194,6 +194,11 @@ MUTANTS: list[Mutant] = [
            ("tests/decode/test_engine.py::test_one_int_seed_gives_each_row_its_own_reproducible_stream",
             "tests/decode/test_engine.py::test_sampled_first_and_second_token_follow_the_target"),
            "one int seed gives every row the same random stream (64 copies = one sample 64 times)"),
+    Mutant("scheduler-prices-sampled-decodes-greedily", "decode/proposers/scheduler.py",
+           "return cm.at(state.temperature) if hasattr(cm, \"at\") else cm",
+           "return cm",
+           ("tests/adaptive/test_adaptive_decode.py::test_sampled_decodes_are_priced_at_sampled_costs",),
+           "a T > 0 decode must be planned with the sampled costs (dearer verification, dearer drafts)"),
     # ---- kernels ---------------------------------------------------------------------------------
     Mutant("greedy-ref-last-chunk-wins-tie", "decode/kernels/greedy.py",
            "better = val > best_val", "better = val >= best_val",

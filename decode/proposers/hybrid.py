@@ -107,7 +107,7 @@ class HybridProposer(Scheduler):
             return list(range(len(self.parts)))
         B = state.root.shape[0]
         return sorted(range(len(self.parts)),
-                      key=lambda i: (self.cost_model.draft_time(proposer_key(self.parts[i]), B), i))
+                      key=lambda i: (self._costs(state).draft_time(proposer_key(self.parts[i]), B), i))
 
     def _should_run(self, state: DecodeState, i: int, length: int, probe: int, drafts: Drafts) -> bool:
         """A part with a plan runs when probed or when worth it; counts the steps it sat out."""
@@ -144,8 +144,9 @@ class HybridProposer(Scheduler):
         tokens = float(active.sum()) + float(best[active].sum())
         width = max(drafts.trees[j].size for j in ran)
         sunk = sum(drafts.draft_ms)
-        t0 = sunk + self.cost_model.verify_time(B, width)
-        t1 = sunk + self._draft_ms(state, i, length) + self.cost_model.verify_time(B, max(width, size))
+        cm = self._costs(state)
+        t0 = sunk + cm.verify_time(B, width)
+        t1 = sunk + self._draft_ms(state, i, length) + cm.verify_time(B, max(width, size))
         return (tokens + gain) / t1 > tokens / t0
 
     # ---- choice -----------------------------------------------------------------------------------

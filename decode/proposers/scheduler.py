@@ -268,6 +268,11 @@ class Scheduler(Proposer):
         return True
 
     # ---- plan -------------------------------------------------------------------------------------
+    def _costs(self, state: DecodeState) -> CostModel | None:
+        """The cost model at this decode's temperature: sampled costs at T > 0 (`CostModel.at`)."""
+        cm = self.cost_model
+        return cm.at(state.temperature) if hasattr(cm, "at") else cm
+
     def _cap(self, state: DecodeState, part: Proposer) -> int:
         cap = state.gamma or (self.max_gamma if self.adaptive else self.gamma or part.default_gamma)
         heads = getattr(part, "K", None)  # Medusa: one head per depth
@@ -286,7 +291,7 @@ class Scheduler(Proposer):
     def _plan_chain(self, state: DecodeState, part: Proposer, name: str, cap: int
                     ) -> tuple[int, float, float]:
         """A chain's plan: the length that pays best, or the whole cap when drafting is nearly free."""
-        B, cm, key = state.root.shape[0], self.cost_model, proposer_key(part)  # names get "#i", keys do not
+        B, cm, key = state.root.shape[0], self._costs(state), proposer_key(part)  # names get "#i", keys do not
         prior = self.calibrators[name].batch_prior(cap, B)  # [B, cap]
         rates = length_rates(expected_tokens(prior), B, cm, key, state.active)
         best = best_length(rates)
@@ -301,9 +306,10 @@ class Scheduler(Proposer):
         prior = self.calibrators[name].prior(spec.depth).expand(B, -1)  # a chain of the tree's depth
         exp = expected_tokens(prior)[:, -1]  # [B]
         tokens = float(exp[active.cpu()].sum())
-        draft = drafting_ms(self.cost_model, key, B, spec, 1)
-        tree_rate = tokens / (self.cost_model.verify_time(B, tree_nodes(spec)) + draft)
-        none_rate = int(active.sum()) / self.cost_model.verify_time(B, 1)
+        cm = self._costs(state)
+        draft = drafting_ms(cm, key, B, spec, 1)
+        tree_rate = tokens / (cm.verify_time(B, tree_nodes(spec)) + draft)
+        none_rate = int(active.sum()) / cm.verify_time(B, 1)
         return (1, tree_rate, draft) if tree_rate > none_rate else (0, none_rate, 0.0)
 
     def _probe_depth(self, name: str, cap: int) -> int:
@@ -330,7 +336,7 @@ class Scheduler(Proposer):
         if self.cost_model is None or length == 0:
             return 0.0
         key = proposer_key(self.parts[i])
-        return drafting_ms(self.cost_model, key, state.root.shape[0], state.tree, length)
+        return drafting_ms(self._costs(state), key, state.root.shape[0], state.tree, length)
 
     # ---- draft ------------------------------------------------------------------------------------
     def _draft_parts(self, state: DecodeState, plans: list[tuple[int, float, float]], probes: list[int],
@@ -395,7 +401,7 @@ class Scheduler(Proposer):
         if not (self.adaptive and merged.size > 1):
             return merged, None
         keep = trim_tree(merged, p_merged, batch=state.root.shape[0], active=active,
-                         cost_model=self.cost_model, sunk_ms=sum(drafts.draft_ms), rate=rate,
+                         cost_model=self._costs(state), sunk_ms=sum(drafts.draft_ms), rate=rate,
                          free_extension=self.free_extension)
         keep = self._keep_probes(keep, merged, choice, active, probes, drafts)
         same = keep[:, 1:] == (merged.parents[:, 1:] != -2)
@@ -446,7 +452,7 @@ class Scheduler(Proposer):
         for n in ran:
             stats.parts_run[n] = stats.parts_run.get(n, 0) + 1
         if self.cost_model is not None:
-            stats.modelled_ms += step.draft_ms + self.cost_model.verify_time(step.batch, tree.size)
+            stats.modelled_ms += step.draft_ms + self._costs(state).verify_time(step.batch, tree.size)
         log = step.drafts.proposals is not None
         if log and stats.step_log is None:
             stats.step_log = []

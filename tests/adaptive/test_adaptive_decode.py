@@ -157,6 +157,27 @@ def test_no_drafting_when_it_cannot_pay():
     assert calls == [] and out.stats.tau == 1.0 and out.stats.chosen_lengths == [out.stats.row_forwards]
 
 
+def test_sampled_decodes_are_priced_at_sampled_costs():
+    """Greedy costs where drafting pays, sampled costs where it never does: the same adaptive
+    proposer drafts at T = 0 and never at T = 1 (a T = 1 decode priced greedily drafts too long)."""
+    model = target()
+    calls = []
+
+    class Spy(EagleProposer):
+        def propose(self, state):
+            calls.append(state.temperature)
+            return super().propose(state)
+
+    fast, slow = gpu_like(), cpu_like()
+    cost = CostModel(fast.verify_ms, fast.draft_ms, fast.meta, slow)
+    ids, mask = left_pad(prompts(3))
+    for temp in (0.0, 1.0):
+        out = speculative_generate(model, AdaptiveProposer(Spy(eagle_drafter()), cost), ids, attention_mask=mask,
+                                   max_new_tokens=12, eos_token_id=[], temperature=temp, seed=0)
+        assert len(out.sequences) == 3 and all(len(s) == 12 for s in out.sequences)
+    assert 0.0 in calls and 1.0 not in calls
+
+
 def test_load_proposer_specs(tmp_path):
     model = target()
     path = gpu_like().save(tmp_path / "cost.json")

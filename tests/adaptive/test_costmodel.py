@@ -34,6 +34,15 @@ def test_save_load_round_trip(tmp_path):
         CostModel.load(tmp_path / "bad.json")
 
 
+def test_sampled_costs_round_trip_and_are_picked_by_temperature(tmp_path):
+    greedy, sampled = grid(), CostModel({(b, t): 2 * v for (b, t), v in grid().verify_ms.items()}, {"eagle": {1: 3.0}})
+    cm = CostModel(greedy.verify_ms, greedy.draft_ms, greedy.meta, sampled)
+    again = CostModel.load(cm.save(tmp_path / "cost.json"))
+    assert again.at(0.0).verify_time(4, 3) == 9.0 and again.at(0.7).verify_time(4, 3) == 18.0
+    assert again.at(1.0).draft_time("eagle", 1) == 3.0 and again.at(0).draft_time("eagle", 1) == 0.5
+    assert "sampled (temperature > 0)" in again.table()
+
+
 def test_interpolation_is_monotone_and_extrapolates_linearly():
     cm = grid()
     batches, tokens = [1, 2, 3, 4, 6, 8, 12, 20], [1, 2, 3, 4, 6, 10]
@@ -69,12 +78,20 @@ def test_measured_once_then_only_missing_proposers(tmp_path, monkeypatch):
     assert set(cm.verify_ms) == {(1, 1), (1, 3), (2, 1), (2, 3)} and all(v > 0 for v in cm.verify_ms.values())
     assert cm.meta["params"] == sum(p.numel() for p in model.parameters()) and cm.meta["context"] == 8
     files = list(tmp_path.glob("*.json"))
-    assert len(files) == 1 and timed == [("ngram", 1), ("ngram", 2)]
+    assert len(files) == 1 and timed == [("ngram", 1), ("ngram", 2)] * 2  # greedy, then sampled
+    assert set(cm.sampled.verify_ms) == set(cm.verify_ms) and all(v > 0 for v in cm.sampled.verify_ms.values())
     again = load_or_measure(model, {"ngram": load_proposer("ngram", model),
                                     "early-exit:2": load_proposer("early-exit:2", model)}, **kw)
-    assert timed[2:] == [("early-exit", 1), ("early-exit", 2)]  # only the new proposer was timed
+    assert timed[4:] == [("early-exit", 1), ("early-exit", 2)] * 2  # only the new proposer was timed
     assert again.verify_ms == cm.verify_ms and set(again.draft_ms) == {"ngram", "early-exit:2"}
-    assert CostModel.load(files[0]).draft_ms == again.draft_ms
+    assert again.sampled.verify_ms == cm.sampled.verify_ms and set(again.sampled.draft_ms) == {"ngram", "early-exit:2"}
+    loaded = CostModel.load(files[0])
+    assert loaded.draft_ms == again.draft_ms and loaded.sampled.draft_ms == again.sampled.draft_ms
+    # a file from before the sampled half (session 16 and earlier) is re-measured, not trusted at T > 0
+    files[0].write_text(json.dumps({k: v for k, v in json.loads(files[0].read_text()).items() if k != "sampled"}))
+    old = CostModel.load(files[0])
+    assert old.sampled is None and old.at(1.0) is old
+    assert load_or_measure(model, {"ngram": load_proposer("ngram", model)}, **kw).sampled is not None
 
 
 def test_profile_help(capsys):
@@ -95,7 +112,8 @@ def test_profile_writes_the_cache_and_the_plot(tmp_path, capsys):
     assert len(cached) == 1
     cm = CostModel.load(cached[0])
     assert set(cm.verify_ms) == {(1, 1), (1, 2), (2, 1), (2, 2)} and set(cm.draft_ms) == {"ngram", "early-exit:2"}
-    assert "verify ms" in out and "early-exit:2" in out
+    assert set(cm.sampled.verify_ms) == set(cm.verify_ms) and set(cm.sampled.draft_ms) == set(cm.draft_ms)
+    assert "verify ms" in out and "early-exit:2" in out and "sampled (temperature > 0)" in out
     assert main(["profile", f"target={root}/target", "batch_sizes=0"]) == 2  # one-line error, no traceback
 
 
