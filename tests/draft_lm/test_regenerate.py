@@ -135,7 +135,7 @@ def test_benchmark_prompts_never_enter_regenerated_data(dl_root, tmp_path):
 
 
 def test_default_training_prompts_hold_no_benchmark_prompt():
-    """The embedded default (packaged ShareGPT, the eagle recipe's 420 + 32 records): no MT-bench
+    """The embedded default (packaged ShareGPT, the eagle recipe's 900 + 32 records, eagle_long's 1,200 + 32): no MT-bench
     or HumanEval prompt among its training or held-out prompts."""
     from drafttrain.data import DataConfig, load_conversations
     from drafttrain.eval.benchmarks import benchmark_texts, contains_benchmark
