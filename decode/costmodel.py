@@ -418,8 +418,9 @@ def measure_cost_model(target: nn.Module, proposers: dict | None = None, *, batc
     meta = _identity(target)
     meta.update(context=context, repeats=repeats, head="argmax",
                 date=datetime.now(timezone.utc).isoformat(timespec="seconds"))
-    models = [CostModel(v, d, meta) for v, d in measured]
-    return CostModel(models[0].verify_ms, models[0].draft_ms, meta, models[1] if sampled else None)
+    greedy, *hot = (CostModel(v, d, meta) for v, d in measured)
+    greedy.sampled = hot[0] if hot else None
+    return greedy
 
 
 def load_or_measure(target: nn.Module, proposers: dict | None = None, *,
