@@ -271,7 +271,7 @@ class Scheduler(Proposer):
     def _costs(self, state: DecodeState) -> CostModel | None:
         """The cost model at this decode's temperature: sampled costs at T > 0 (`CostModel.at`)."""
         cm = self.cost_model
-        return cm.at(state.temperature) if hasattr(cm, "at") else cm
+        return None if cm is None else cm.at(state.temperature)
 
     def _cap(self, state: DecodeState, part: Proposer) -> int:
         cap = state.gamma or (self.max_gamma if self.adaptive else self.gamma or part.default_gamma)

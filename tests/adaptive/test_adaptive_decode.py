@@ -359,6 +359,9 @@ class PerRowCost:
     def draft_time(self, name: str, batch: int) -> float:
         return 0.0 if name == "ngram" else 0.01
 
+    def at(self, temperature: float) -> PerRowCost:
+        return self  # the same prices at every temperature
+
 
 def trained_calibrator(law, seed: int = 0) -> AcceptanceCalibrator:
     """A calibrator that has seen 20k nodes whose acceptance follows `law(confidence)`."""

@@ -376,6 +376,9 @@ class PerRowCost:
     def draft_time(self, name: str, batch: int) -> float:
         return 0.01
 
+    def at(self, temperature: float) -> PerRowCost:
+        return self  # the same prices at every temperature
+
 
 def calibrated() -> AcceptanceCalibrator:
     """A calibrator that has seen 20k draft nodes accepted with probability = their confidence."""
