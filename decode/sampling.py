@@ -21,6 +21,7 @@ belong to the caller and must be applied identically to target and draft before 
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -189,6 +190,55 @@ def _row_key(seed: int | Tensor, position: Tensor, stream: int) -> Tensor:
     return _hash32(k ^ ((pos >> 32) & _M32))
 
 
+# The same hash in NumPy uint32 arithmetic (products wrap mod 2^32 by themselves), for keys on the
+# CPU. The keys decoding asks for are tiny (one per row and step, or one per tree node), so the
+# torch path above is ~80 elementwise calls of framework overhead: ~1 ms per draw on the 2-core
+# CPU, paid by every sampled draft step and twice by every sampled verification. NumPy does the
+# same arithmetic in ~50 us and gives the same bits (tests/decode/test_verify.py compares them).
+
+
+def _hash32_np(x: np.ndarray) -> np.ndarray:
+    x = x ^ (x >> np.uint32(17))
+    x = x * np.uint32(0xED5AD4BB)
+    x = x ^ (x >> np.uint32(11))
+    x = x * np.uint32(0xAC4C1B51)
+    x = x ^ (x >> np.uint32(15))
+    x = x * np.uint32(0x31848BAB)
+    return x ^ (x >> np.uint32(14))
+
+
+def _halves_np(t: Tensor) -> tuple[np.ndarray, np.ndarray]:
+    """Low and high 32 bits of an int64 tensor (two's complement), as uint32 arrays."""
+    u = t.long().numpy().view(np.uint64)
+    return (u & np.uint64(_M32)).astype(np.uint32), (u >> np.uint64(32)).astype(np.uint32)
+
+
+def _row_key_np(seed: int | Tensor, position: Tensor, stream: int) -> np.ndarray:
+    """`_row_key` for CPU tensors, as a uint32 array of the broadcast shape."""
+    pos = position.long()
+    if isinstance(seed, Tensor):
+        s = seed.long().reshape(seed.shape + (1,) * (pos.dim() - seed.dim()))
+    else:
+        s = torch.tensor(int(seed), dtype=torch.long)
+    s_lo, s_hi = _halves_np(s)
+    p_lo, p_hi = _halves_np(pos)
+    k = _hash32_np(np.full(s_lo.shape, stream & _M32, dtype=np.uint32))  # broadcasts as it goes
+    k = _hash32_np(k ^ s_lo)
+    k = _hash32_np(k ^ s_hi)
+    k = _hash32_np(k ^ p_lo)
+    return _hash32_np(k ^ p_hi)
+
+
+def _counter_uniform_np(seed: int | Tensor, position: Tensor, counter: Tensor, stream: int) -> Tensor:
+    with np.errstate(over="ignore"):  # 0-d arrays compute as NumPy scalars, which warn as they wrap
+        key = _row_key_np(seed, position, stream)
+        c_lo, _ = _halves_np(counter)
+        h1 = _hash32_np(_hash32_np(key ^ c_lo) ^ key)
+        h2 = _hash32_np(h1 ^ np.uint32(0x9E3779B9))
+    bits = (np.asarray(h1, dtype=np.uint64) << np.uint64(21)) | np.asarray(h2 >> np.uint32(11), dtype=np.uint64)
+    return torch.from_numpy(np.array(bits.astype(np.float64) * (2.0 ** -53)))  # a 0-d result stays 0-d
+
+
 def counter_uniform(seed: int | Tensor, position: Tensor, counter: Tensor, stream: int) -> Tensor:
     """Counter-based float64 uniforms in [0, 1), a pure function of their keys.
 
@@ -201,6 +251,13 @@ def counter_uniform(seed: int | Tensor, position: Tensor, counter: Tensor, strea
     Returns:
         float64 tensor of the broadcast shape, values k / 2^53.
     """
+    on_cpu = position.device.type == "cpu" and counter.device.type == "cpu"
+    if on_cpu and (not isinstance(seed, Tensor) or seed.device.type == "cpu"):
+        return _counter_uniform_np(seed, position, counter, stream)
+    return _counter_uniform_torch(seed, position, counter, stream)
+
+
+def _counter_uniform_torch(seed: int | Tensor, position: Tensor, counter: Tensor, stream: int) -> Tensor:
     key = _row_key(seed, position, stream)
     c = counter.long().to(key.device)
     h1 = _hash32(_hash32(key ^ (c & _M32)) ^ key)

@@ -20,6 +20,7 @@ from drafttrain.decode.sampling import (
     counter_uniform,
     exponentials_from_generator,
     process_logits,
+    row_seeds,
 )
 from drafttrain.decode.verify import (
     _verify_chain_kernel,
@@ -448,6 +449,28 @@ def test_counter_uniform_is_a_pure_uniform_function():
     other = counter_uniform(11, pos, cnt, STREAM_EMIT)
     assert abs(torch.corrcoef(torch.stack([u.flatten(), other.flatten()]))[0, 1].item()) < 0.02
     assert (u != counter_uniform(12, pos, cnt, STREAM_ACCEPT)).float().mean() > 0.99
+
+
+def test_counter_uniform_numpy_path_gives_the_torch_paths_bits():
+    """CPU keys are hashed in NumPy (cheap for the few keys a decode step needs), other devices in
+    torch: the two must give the same draws, or a seeded decode would change with the device.
+    Seeds over the whole signed int64 range, positions past 2^32, every stream, broadcast shapes."""
+    from drafttrain.decode.sampling import STREAM_DRAFT, _counter_uniform_np, _counter_uniform_torch
+
+    g = torch.Generator().manual_seed(0)
+    for B, N in ((1, 1), (3, 7), (16, 1), (5, 33)):
+        seeds = torch.randint(-2**63, 2**63 - 1, (B,), generator=g)
+        pos = torch.randint(0, 2**40, (B, 1), generator=g)
+        cnt = torch.randint(0, 2**34, (1, N), generator=g)
+        for seed in (seeds, int(seeds[0]), row_seeds(12345, B)):
+            for stream in (STREAM_ACCEPT, STREAM_EMIT, STREAM_DRAFT):
+                a = _counter_uniform_np(seed, pos, cnt, stream)
+                b = _counter_uniform_torch(seed, pos, cnt, stream)
+                assert a.shape == b.shape == (B, N) and a.dtype == b.dtype == torch.float64
+                assert torch.equal(a, b)
+    zero_d = (torch.tensor(9), torch.tensor(3))
+    assert torch.equal(_counter_uniform_np(5, *zero_d, STREAM_EMIT), _counter_uniform_torch(5, *zero_d, STREAM_EMIT))
+    assert _counter_uniform_np(5, *zero_d, STREAM_EMIT).shape == ()
 
 
 def test_counter_exponentials_are_keyed_per_row_and_exp1():
