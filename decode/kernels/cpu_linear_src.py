@@ -133,13 +133,24 @@ torch::Tensor bf16_linear_f32(torch::Tensor x, torch::Tensor w) {
     const uint16_t* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
     float* yp = y.data_ptr<float>();
     const int64_t pairs = (O + 1) / 2;
+    // Rows of x per tile: up to 6 in one tile (2 x 6 accumulators + 2 weight + 1 x register = 15 of
+    // the 16 ymm registers), so the weights are widened from bf16 once per step; beyond 6, fours and
+    // one tile for the rest. (Tiles of 4, 2, 1 widened them twice for 3 rows: 3 rows cost as much as 4.)
+    const int64_t head = M <= 6 ? 0 : M - (M % 4 < 2 ? M % 4 + 4 : M % 4);  // rows in tiles of 4; 2..5 left
     at::parallel_for(0, pairs, 64, [&](int64_t begin, int64_t end) {
         for (int64_t p = begin; p < end; ++p) {
             const int64_t o = 2 * p, orows = (o + 1 < O) ? 2 : 1;
             int64_t m = 0;
-            for (; m + 4 <= M; m += 4) tile<4>(xp, wp, yp, K, O, o, m, orows);
-            for (; m + 2 <= M; m += 2) tile<2>(xp, wp, yp, K, O, o, m, orows);
-            for (; m < M; ++m) tile<1>(xp, wp, yp, K, O, o, m, orows);
+            for (; m < head; m += 4) tile<4>(xp, wp, yp, K, O, o, m, orows);
+            switch (M - m) {  // the rest, 1..6 rows, in one tile
+                case 1: tile<1>(xp, wp, yp, K, O, o, m, orows); break;
+                case 2: tile<2>(xp, wp, yp, K, O, o, m, orows); break;
+                case 3: tile<3>(xp, wp, yp, K, O, o, m, orows); break;
+                case 4: tile<4>(xp, wp, yp, K, O, o, m, orows); break;
+                case 5: tile<5>(xp, wp, yp, K, O, o, m, orows); break;
+                case 6: tile<6>(xp, wp, yp, K, O, o, m, orows); break;
+                default: break;
+            }
         }
     });
     return y;
