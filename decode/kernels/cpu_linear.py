@@ -17,10 +17,14 @@ What: `bf16_linear(x, w, bias)` computes ``x @ w.T (+ bias)`` for bf16 ``w`` and
 holds), each compiled once per machine by `torch.utils.cpp_extension` into its cache (~1 min;
 `TORCH_EXTENSIONS_DIR`):
 
-- ``avx2``: bf16 → fp32 in registers (a 16-bit shift), fp32 FMAs; for 2 … 64 rows, up to 6 rows in
-  one tile, so each weight is widened once per step for verification widths up to 6 (session 20,
-  Zen 2, Gemma 3 270M whole verify steps at batch 1: 3 tokens 83.5 → 71.5 ms, 6 tokens 106.9 → 84.8;
-  PyTorch's bf16 matmul on AVX2 took 933 ms for 24 rows, this kernel 183, so it serves up to 64). On the AVX-512
+- ``avx2``: bf16 → fp32 in registers (a 16-bit shift), fp32 FMAs; up to 6 rows in one tile, so
+  each weight is widened once per step for verification widths up to 6 (session 20, Zen 2, Gemma 3
+  270M whole verify steps at batch 1: 3 tokens 83.5 → 71.5 ms, 6 tokens 106.9 → 84.8). It serves
+  every row count: more than 64 rows (prefill, big batches) in chunks of 64. Session 21 (same Zen 2,
+  2 threads, Gemma 3 270M's 126 layer matmuls + LM head, best of 5): 1 row 30.5 ms vs PyTorch's bf16
+  matrix-vector kernel 40.6 (the weights' 534 MB at 17.5 GB/s of the 20.4 a bf16 sum reads);
+  16 rows 92 ms vs PyTorch fp32 243; a 16 × 30-token prefill took 7.1 s through PyTorch's bf16
+  matmul, which is compute-bound on AVX2 at every width. On the AVX-512
   bf16 AMD EPYC of session 9 it was slower than PyTorch's native kernels (22.7 vs 22.2 ms for 1
   row, 24.9 vs 18.2 for 5), so `auto` uses it only on CPUs without AVX-512 bf16 / AMX.
 - ``avx512``: ``vdpbf16ps`` (pairs of bf16 products summed into fp32 lanes, 32 weights per
@@ -55,8 +59,8 @@ by bf16 rounding at most (``vdpbf16ps`` also treats bf16 subnormal inputs as zer
 exact sums and that decoding a bf16 target through each kernel gives what PyTorch's matmul gives.
 Float32 models are never touched (greedy output in float32 equals the target's own exactly).
 
-Deliberately not here: backward (inference only), more than 16 rows (PyTorch's matmul, compute-
-bound there), quantised weights, GPUs.
+Deliberately not here: backward (inference only), more than 8 / 16 rows under avx512 / amx
+(PyTorch's AMX / AVX-512 matmul, compute-bound there and faster), quantised weights, GPUs.
 """
 
 from __future__ import annotations
@@ -82,10 +86,16 @@ BACKENDS = LINEAR_BACKENDS
 class _Kernel:
     """One compiled kernel: its source, the CPU flags it needs and the rows it serves."""
 
-    def __init__(self, name: str, source: str, flags: set[str], cflags: list[str], rows: tuple[int, int]):
+    def __init__(self, name: str, source: str, flags: set[str], cflags: list[str], rows: tuple[int, int],
+                 chunked: bool = False):
         self.name, self.source, self.flags, self.cflags = name, source, flags, cflags
         self.min_rows, self.max_rows = rows
+        self.chunked = chunked  # inputs of more than max_rows rows run in chunks of max_rows (prefill)
         self._ext = None
+
+    def serves(self, rows: int) -> bool:
+        """Whether an input of `rows` rows runs through this kernel once installed."""
+        return self.min_rows <= rows and (self.chunked or rows <= self.max_rows)
 
     def load(self):
         with _lock:
@@ -105,7 +115,11 @@ class _Kernel:
     def __call__(self, flat: Tensor, w: Tensor) -> Tensor:
         """[M, K] rows (any float dtype) @ bf16 w [O, K]^T -> fp32 [M, O]."""
         if self.name == "avx2":
-            return self.load().bf16_linear_f32(flat.float().contiguous(), w.contiguous())
+            ext, x, w = self.load(), flat.float(), w.contiguous()
+            if x.shape[0] <= self.max_rows:
+                return ext.bf16_linear_f32(x.contiguous(), w)
+            # each chunk's rows of x stay in L2 while the weights stream past them once
+            return torch.cat([ext.bf16_linear_f32(c.contiguous(), w) for c in x.split(self.max_rows)])
         x = flat.to(torch.bfloat16).contiguous()
         if self._amx_fits(x, w):
             return self.load().amx_linear(x, w.contiguous())
@@ -122,11 +136,12 @@ class _Kernel:
 
 _lock = threading.Lock()
 
-#: the kernels by backend name; `min_rows` / `max_rows`: the inputs each serves (one row keeps
-#: PyTorch's matrix-vector kernel under avx2, memory-bound there already; beyond `max_rows`
-#: PyTorch's matmul, whose AMX / AVX-512 paths win on compute-bound work)
+#: the kernels by backend name; `min_rows` / `max_rows`: the inputs each serves in one call (beyond
+#: `max_rows`, PyTorch's matmul, whose AMX / AVX-512 paths win on compute-bound work, except for
+#: the chunked avx2 kernel: PyTorch's bf16 matmul on AVX2 is slower than it at every row count)
 KERNELS = {
-    "avx2": _Kernel("avx2", _src.NORM_SOURCE + _src.AVX2_SOURCE, {"avx2", "fma"}, ["-mavx2", "-mfma"], (2, 64)),
+    "avx2": _Kernel("avx2", _src.NORM_SOURCE + _src.AVX2_SOURCE, {"avx2", "fma"}, ["-mavx2", "-mfma"], (1, 64),
+                    chunked=True),
     "avx512": _Kernel("avx512", _src.NORM_SOURCE + _src.AVX512_SOURCE + _src.AVX512_BINDINGS, {"avx512f", "avx512bw", "avx512_bf16"},
                       ["-mavx512f", "-mavx512bw", "-mavx512bf16"], (1, 8)),
     "amx": _Kernel("amx", _src.NORM_SOURCE + _src.AVX512_SOURCE + _src.AMX_SOURCE, {"avx512f", "avx512bw", "avx512_bf16", "amx_tile", "amx_bf16"},
@@ -233,7 +248,7 @@ class _Forward:
     def __init__(self, module: nn.Linear, backend: str):
         self.module, self.backend = module, backend
         k = KERNELS[backend]
-        self.min_rows, self.max_rows = k.min_rows, k.max_rows
+        self.kernel = k
         w = module.weight
         self.direct = k.load().bf16_linear_bf16 if backend in ("avx512", "amx") and module.bias is None else None
         # AMX serves 3+ rows where K and O sit on its 32 grid; below 3 rows the AVX-512 tiles do
@@ -242,7 +257,7 @@ class _Forward:
     def __call__(self, x: Tensor) -> Tensor:
         mod = self.module
         rows = x.numel() // x.shape[-1] if x.numel() else 0
-        if self.min_rows <= rows <= self.max_rows and not torch.is_grad_enabled() and x.device.type == "cpu":
+        if self.kernel.serves(rows) and not torch.is_grad_enabled() and x.device.type == "cpu":
             if self.direct is not None and rows <= self.direct_max and x.dtype == torch.bfloat16:
                 return self.direct(x, mod.weight)
             return bf16_linear(x, mod.weight, mod.bias, self.backend)
@@ -263,7 +278,7 @@ def head_argmax(module: nn.Linear, x: Tensor) -> Tensor:
 def routes(module: nn.Module, rows: int) -> bool:
     """Whether an input of `rows` rows to `module` runs through a kernel (installed, in range)."""
     fwd = vars(module).get("forward")
-    return isinstance(fwd, _Forward) and fwd.min_rows <= rows <= fwd.max_rows
+    return isinstance(fwd, _Forward) and fwd.kernel.serves(rows)
 
 
 def install(model: nn.Module, backend: str = "avx2") -> int:
@@ -293,8 +308,8 @@ class _Norm:
 
     def __init__(self, module: nn.Module, backend: str, mode: str):
         self.module, self.mode, self.round_first = module, mode, mode == "round-first"
-        self.max_rows = KERNELS[backend].max_rows
-        self.norm = KERNELS[backend].load().rms_norm
+        self.kernel = KERNELS[backend]
+        self.norm = self.kernel.load().rms_norm
         eps = getattr(module, "eps", getattr(module, "variance_epsilon", None))
         self.eps = float(torch.finfo(torch.bfloat16).eps if eps is None else eps)  # None: nn.RMSNorm's default
         self._scale, self._version = None, None
@@ -311,7 +326,7 @@ class _Norm:
     def __call__(self, x: Tensor) -> Tensor:
         d = x.shape[-1]
         rows = x.numel() // d if d else 0
-        if (1 <= rows <= self.max_rows and x.dtype == torch.bfloat16 and not torch.is_grad_enabled()
+        if (rows >= 1 and (rows <= self.kernel.max_rows or self.kernel.chunked) and x.dtype == torch.bfloat16 and not torch.is_grad_enabled()
                 and x.device.type == "cpu"):
             return self.norm(x.reshape(rows, d).contiguous(), self.scale(), self.eps, self.round_first).view(x.shape)
         return type(self.module).forward(self.module, x)
@@ -351,8 +366,10 @@ def setup(model: nn.Module, backend: str = "auto") -> str:
     t0 = time.perf_counter()
     n = install(model, name)
     k = KERNELS[name]
+    what = (f"every input (prefill in chunks of {k.max_rows} rows)" if k.chunked
+            else f"decode steps of {k.min_rows}-{k.max_rows} rows")
     return (f"linear_backend={backend}: {n} bf16 linear layers and {routed_norms(model)} RMS norms of the target run "
-            f"through the {name.upper()} kernels for decode steps of {k.min_rows}-{k.max_rows} rows (ready in "
+            f"through the {name.upper()} kernels for {what} (ready in "
             f"{time.perf_counter() - t0:.1f} s; linear_backend=aten: PyTorch's)")
 
 
