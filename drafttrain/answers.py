@@ -22,6 +22,7 @@ from pathlib import Path
 
 from drafttrain.config import field_
 from drafttrain.data import DataConfig, cache_root, source_fingerprint
+from drafttrain.regenerate import ANSWER_DTYPE_HELP, ANSWER_DTYPES
 
 __all__ = ["AnswersConfig", "training_data", "answers_path", "prompts_needed"]
 
@@ -34,14 +35,16 @@ class AnswersConfig:
     greedy_share: float = field_(0.5, help="target answers: share answered greedily (T=0); the rest at temperature")
     temperature: float = field_(1.0, help="target answers: sampling temperature of the sampled share")
     batch_size: int = field_(16, help="target answers: prompts answered together")
-    proposer: str = field_("ngram", help="target answers: drafter that speeds the greedy ones up (a proposer spec; none = off)")
+    proposer: str = field_("auto", help="target answers: drafter that speeds the greedy ones up (a proposer spec; none = off; auto: n-gram, none where the target answers through the AVX2 kernel)")
     sampled_proposer: str = field_("none", help="target answers: drafter for the sampled ones (none: at T=1 n-gram drafts are mostly rejected, and a batch pays to verify them)")
+    dtype: str = field_("auto", help="target answers: " + ANSWER_DTYPE_HELP, choices=ANSWER_DTYPES)
     prompts: int = field_(0, help="target answers: prompts to answer; 0 = enough for data.num_samples + data.heldout (all if num_samples=0)")
     seed: int = field_(0, help="target answers: sampling seed")
 
 
-# How many prompts and how fast they are answered (batch, lossless drafters) do not change the answers' law.
-_NOT_IN_KEY = ("prompts", "batch_size", "proposer", "sampled_proposer")
+# How many prompts and how fast they are answered (batch, lossless drafters, bf16 or float32 as the
+# target's own dtype is not in the key either) do not change the answers' law.
+_NOT_IN_KEY = ("prompts", "batch_size", "proposer", "sampled_proposer", "dtype")
 
 
 def prompts_needed(data: DataConfig, answers: AnswersConfig) -> int:
@@ -81,6 +84,7 @@ def training_data(data: DataConfig, answers: AnswersConfig, target_spec: str, ta
     rcfg = RegenerateConfig(target=target_spec, data=data, out=str(out), num_prompts=prompts_needed(data, answers),
                             batch_size=answers.batch_size, max_new_tokens=answers.max_new_tokens,
                             temperature=answers.temperature, greedy_share=answers.greedy_share,
-                            seed=answers.seed, proposer=answers.proposer, sampled_proposer=answers.sampled_proposer)
+                            seed=answers.seed, proposer=answers.proposer, sampled_proposer=answers.sampled_proposer,
+                            answer_dtype=answers.dtype)
     regenerate(rcfg, progress=progress, target=target, tokenizer=tokenizer)
     return replace(data, path=str(out), format="openai")
