@@ -275,6 +275,8 @@ def _cache_file(identity: dict, cache_dir: str | Path) -> Path:
         keyed["linear"] = identity["linear"]
         keyed["drafters"] = "kernel"  # loaded drafters run through it too (session 14): older draft costs differ
         keyed["norms"] = "kernel"  # RMS norms through the norm kernel too (session 15): every step is cheaper
+        if identity["linear"] == "avx2":
+            keyed["rows"] = "1+"  # session 21: one row and prefill through the AVX2 kernel too (was 2-64)
     digest = hashlib.sha256(json.dumps(keyed, sort_keys=True).encode()).hexdigest()[:16]
     return Path(cache_dir).expanduser() / f"{identity['model_type']}-{digest}.json"
 

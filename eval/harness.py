@@ -48,7 +48,8 @@ from drafttrain.eval.vllm_baselines import (
     sweep_prompt_count,
 )
 
-__all__ = ["run_eval", "check_inputs", "build_methods", "machine_info", "is_adaptive", "cost_model_for", "add_oracle"]
+__all__ = ["run_eval", "check_inputs", "build_methods", "machine_info", "is_adaptive", "cost_model_for", "cost_batch_sizes",
+           "add_oracle"]
 
 ADAPTIVE_PREFIXES = ("adaptive:", "hybrid:", "adaptive-hybrid:")
 #: every method's `speedup` holds vs_<name> for each of these that ran
@@ -99,7 +100,7 @@ def build_methods(cfg: EvalConfig, target, tokenizer) -> tuple[list[Method], dic
     draft_lm = None
     for spec in cfg.proposers:
         adaptive = is_adaptive(spec)
-        opts = {"cost_model": cfg.cost_model} if adaptive and cfg.cost_model else {}
+        opts = ({"cost_model": cfg.cost_model} if cfg.cost_model else {"cost_batch_sizes": cost_batch_sizes(cfg)}) if adaptive else {}
         try:
             proposer = load_proposer(spec, target, tokenizer=tokenizer, **opts)
         except (ValueError, OSError) as e:
@@ -156,7 +157,15 @@ def cost_model_for(cfg: EvalConfig, methods: list[Method], target):
         except (OSError, ValueError) as e:
             raise EvalError(f"cost_model {cfg.cost_model!r}: {_first_line(e)}") from None
     parts = {proposer_key(p): p for m in methods if m.adaptive for p in getattr(m.proposer, "parts", [m.proposer])}
-    return load_or_measure(target, parts, progress=cfg.progress)
+    return load_or_measure(target, parts, progress=cfg.progress, batch_sizes=cost_batch_sizes(cfg))
+
+
+def cost_batch_sizes(cfg: EvalConfig) -> tuple[int, ...]:
+    """The batch sizes a measured cost model needs for this eval: 1, 2 and the powers of two up to
+    the largest batch it runs, plus that batch (rows finish, so smaller batches occur too). Not
+    1-16 regardless: on a 2-core AVX2 CPU the batch-16 half of that grid took 20+ minutes."""
+    top = max([cfg.batch_size, *(cfg.sweep_batch_sizes if "batch_size" in cfg.sweeps else [])])
+    return tuple(sorted({1, 2, top, *(b for b in (4, 8, 16, 32, 64) if b < top)}))
 
 
 def _first_line(e: Exception) -> str:

@@ -121,7 +121,7 @@ def _share_linear_kernel(proposer: Proposer, target: nn.Module) -> Proposer:
 
 
 def _load_composite(name: str, arg: str, target: nn.Module, tokenizer, *, cost_model=None,
-                    max_gamma: int = 8, **options) -> Proposer:
+                    max_gamma: int = 8, cost_batch_sizes: tuple[int, ...] | None = None, **options) -> Proposer:
     """adaptive:<spec>, hybrid:<a>+<b>, adaptive:hybrid:<a>+<b> / adaptive-hybrid:<a>+<b>."""
     if name == "adaptive" and arg.startswith("hybrid:"):
         name, arg = "adaptive-hybrid", arg[len("hybrid:"):]
@@ -133,18 +133,20 @@ def _load_composite(name: str, arg: str, target: nn.Module, tokenizer, *, cost_m
         raise ValueError(f"proposer spec {name}:{arg} needs two or more parts joined by '+', e.g. ngram+early-exit:2")
     parts = [load_proposer(s, target, tokenizer=tokenizer, **options) for s in specs]
     adaptive = name != "hybrid"
-    cm = _cost_model(cost_model, target, parts) if adaptive or cost_model is not None else None
+    cm = _cost_model(cost_model, target, parts, cost_batch_sizes) if adaptive or cost_model is not None else None
     if name == "adaptive":
         return AdaptiveProposer(parts[0], cm, max_gamma=max_gamma)
     return HybridProposer(parts, cost_model=cm, adaptive=adaptive, max_gamma=max_gamma)
 
 
-def _cost_model(cost_model, target: nn.Module, parts: list[Proposer]):
-    """A CostModel from an instance, a JSON path, or (None) the target's cached / measured one."""
+def _cost_model(cost_model, target: nn.Module, parts: list[Proposer], batch_sizes: tuple[int, ...] | None = None):
+    """A CostModel from an instance, a JSON path, or (None) the target's cached / measured one
+    (measured at `batch_sizes`, default 1-16, where the cache lacks them)."""
     from drafttrain.decode.costmodel import CostModel, load_or_measure, proposer_key
 
     if cost_model is None:
-        return load_or_measure(target, {proposer_key(p): p for p in parts})
+        kw = {"batch_sizes": tuple(batch_sizes)} if batch_sizes else {}
+        return load_or_measure(target, {proposer_key(p): p for p in parts}, **kw)
     if isinstance(cost_model, (str, Path)):
         try:
             return CostModel.load(cost_model)

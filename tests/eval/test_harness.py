@@ -199,3 +199,21 @@ def test_sampled_outputs_do_not_depend_on_the_batch_size():
     for name in ("target", "draft-lm"):
         per_prompt = {b: [s for call in out[b][name] for s in call.sequences] for b in (1, 3)}
         assert per_prompt[1] == per_prompt[3]
+
+
+def test_a_measured_cost_model_covers_the_batches_the_eval_runs_and_no_more():
+    # the adaptive proposers' cost model is measured where the cache lacks it; on a 2-core AVX2 CPU
+    # the default 1-16 grid took 20+ minutes for a batch-1 eval that reads only batch 1
+    from drafttrain.config import parse_args
+    from drafttrain.eval import EvalConfig
+    from drafttrain.eval.harness import cost_batch_sizes
+
+    def sizes(*args):
+        return cost_batch_sizes(parse_args(["target=x", "proposers=adaptive:ngram", *args], EvalConfig))
+
+    assert sizes() == (1, 2)
+    assert sizes("batch_size=4") == (1, 2, 4)
+    assert sizes("batch_size=3") == (1, 2, 3)
+    assert sizes("batch_size=16") == (1, 2, 4, 8, 16)
+    assert sizes("sweeps=batch_size", "sweep_batch_sizes=1,2,4,8,16") == (1, 2, 4, 8, 16)
+    assert sizes("sweep_batch_sizes=1,2,4,8,16") == (1, 2)  # no batch_size sweep: not run
