@@ -21,10 +21,11 @@ holds), each compiled once per machine by `torch.utils.cpp_extension` into its c
   each weight is widened once per step for verification widths up to 6 (session 20, Zen 2, Gemma 3
   270M whole verify steps at batch 1: 3 tokens 83.5 → 71.5 ms, 6 tokens 106.9 → 84.8). It serves
   every row count: more than 64 rows (prefill, big batches) in chunks of 64. Session 21 (same Zen 2,
-  2 threads, Gemma 3 270M's 126 layer matmuls + LM head, best of 5): 1 row 30.5 ms vs PyTorch's bf16
-  matrix-vector kernel 40.6 (the weights' 534 MB at 17.5 GB/s of the 20.4 a bf16 sum reads);
-  16 rows 92 ms vs PyTorch fp32 243; a 16 × 30-token prefill took 7.1 s through PyTorch's bf16
-  matmul, which is compute-bound on AVX2 at every width. On the AVX-512
+  2 threads, `bench/linear_kernels.py --rows 1,2,16 --reps 5`, 18 layers of distinct weights, so
+  memory is read): 1 row 16.7 + 23.4 ms (layers + LM head) vs PyTorch's 15.7 + 24.2 (a wash; one
+  row runs here so target-only and verify steps sum in the same kernel), 2 rows 18.6 + 26.7 vs
+  28.5 + 45.1, 16 rows 44.0 + 62.1 vs 211.8 + 356.8; a 16 × 30-token prefill took 7.1 s through
+  PyTorch's bf16 matmul, which is compute-bound on AVX2 at every width. On the AVX-512
   bf16 AMD EPYC of session 9 it was slower than PyTorch's native kernels (22.7 vs 22.2 ms for 1
   row, 24.9 vs 18.2 for 5), so `auto` uses it only on CPUs without AVX-512 bf16 / AMX.
 - ``avx512``: ``vdpbf16ps`` (pairs of bf16 products summed into fp32 lanes, 32 weights per
