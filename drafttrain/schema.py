@@ -86,6 +86,7 @@ class TrainSettings:
     max_steps: int = field_(0, help="optimizer steps; 0 = epochs * steps per epoch")
     epochs: int = field_(1, help="passes over the training split (used when max_steps = 0)")
     max_minutes: float = field_(0.0, help="stop (and save) after this many minutes of training; 0 = no limit")
+    run_minutes: float = field_(0.0, help="stop training (and save) so the whole run, loading, answering and features included, ends within about this many minutes (a minute is kept for the final eval and save; a resumed run starts a new budget); 0 = no limit")
     mixed_precision: str = field_("auto", help="autocast dtype for the drafter forward", choices=("auto", "no", "bf16", "fp16"))
     save_every: int = field_(200, help="checkpoint every N optimizer steps (atomic); 0 = only at the end")
     keep_checkpoints: int = field_(2, help="how many recent checkpoints to keep")

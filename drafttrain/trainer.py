@@ -421,6 +421,11 @@ def _periodic_evals(run: Run, bar) -> None:
         _save_drafter(run, raw, run.run_dir / "best_drafter", _extras(run, raw), card_summary=scores, metrics=scores)
 
 
+#: seconds `train.run_minutes` keeps for what follows training: the final checkpoint, held-out eval
+#: and drafter folder (session 21, default recipe on a 2-core Zen 2: ~20 s)
+FINISH_RESERVE_S = 60.0
+
+
 def after_step(run: Run, stop: StopFlag, bar) -> str | None:
     """Evals, stop decisions and checkpoints after an optimizer step: "stopped_at" (stop_after),
     "out_of_time", "done", or None to go on. A signal saves and exits with code 130."""
@@ -429,10 +434,13 @@ def after_step(run: Run, stop: StopFlag, bar) -> str | None:
     if cfg.train.stop_after and state["step"] >= cfg.train.stop_after:
         log(acc, f"drafttrain: train.stop_after={cfg.train.stop_after} reached; exiting without final save")
         return "stopped_at"
-    out_of_time = cfg.train.max_minutes and state["train_time_s"] > 60 * cfg.train.max_minutes
-    stop_now, out_of_time = agreed(acc, stop.stop, bool(out_of_time))
+    over_train = bool(cfg.train.max_minutes) and state["train_time_s"] > 60 * cfg.train.max_minutes
+    over_run = bool(cfg.train.run_minutes) and time.time() - run.t_start > 60 * cfg.train.run_minutes - FINISH_RESERVE_S
+    stop_now, out_of_time = agreed(acc, stop.stop, over_train or over_run)
     if out_of_time:
-        log(acc, f"drafttrain: train.max_minutes={cfg.train.max_minutes} reached at step {state['step']}")
+        why = (f"train.max_minutes={cfg.train.max_minutes}" if over_train else
+               f"train.run_minutes={cfg.train.run_minutes} (the whole run, {(time.time() - run.t_start) / 60:.1f} min so far)")
+        log(acc, f"drafttrain: {why} reached at step {state['step']}")
     if cfg.train.save_every and state["step"] % cfg.train.save_every == 0 or stop_now:
         save_checkpoint(acc, run.run_dir, state, run.scheduler, cfg.train.keep_checkpoints)
     if stop_now:

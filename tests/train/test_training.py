@@ -153,6 +153,22 @@ def test_stop_and_resume_equals_uninterrupted(target_dirs, chat_file, tmp_path):
         torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6)
 
 
+def test_run_minutes_stops_training_when_the_whole_run_is_out_of_time(target_dirs, chat_file, tmp_path,
+                                                                      monkeypatch, capsys):
+    """train.run_minutes budgets the whole command (answering and features included): once the run
+    has used it, less the minute kept for finishing, training stops after the step it is in and the
+    drafter is still saved; with time to spare the run trains every step."""
+    import drafttrain.trainer as trainer
+
+    common = ("train.max_steps=6", "train.save_every=0", "train.run_minutes=1")
+    monkeypatch.setattr(trainer, "FINISH_RESERVE_S", 60.0)  # a one-minute run with nothing left after setup
+    cut = train(cfg_for(target_dirs["llama"], chat_file, tmp_path / "cut", *common))
+    assert cut["steps"] == 1 and (tmp_path / "cut" / "drafter" / "model.safetensors").is_file()
+    assert "train.run_minutes=1.0 (the whole run" in capsys.readouterr().out
+    monkeypatch.setattr(trainer, "FINISH_RESERVE_S", 0.0)
+    assert train(cfg_for(target_dirs["llama"], chat_file, tmp_path / "full", *common))["steps"] == 6
+
+
 def _one_line_error(capsys, argv) -> str:
     code = main(argv)
     err = capsys.readouterr().err.strip()
