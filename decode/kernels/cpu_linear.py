@@ -22,8 +22,9 @@ holds), each compiled once per machine by `torch.utils.cpp_extension` into its c
   270M whole verify steps at batch 1: 3 tokens 83.5 → 71.5 ms, 6 tokens 106.9 → 84.8). It serves
   every row count: more than 64 rows (prefill, big batches) in chunks of 64. Session 21 (same Zen 2,
   2 threads, `bench/linear_kernels.py --rows 1,2,16 --reps 5`, 18 layers of distinct weights, so
-  memory is read): 1 row 16.7 + 23.4 ms (layers + LM head) vs PyTorch's 15.7 + 24.2 (a wash; one
-  row runs here so target-only and verify steps sum in the same kernel), 2 rows 18.6 + 26.7 vs
+  memory is read): 1 row 16.7 + 23.4 ms (layers + LM head) vs PyTorch's 15.7 + 24.2 through the
+  two-row tiles, then 13.2 + 16.9 (PyTorch 16.6 + 24.7) with a one-row path of four weight rows per
+  tile and a prefetch 16 rows ahead (`gemv_tile4`), 2 rows 18.6 + 26.7 vs
   28.5 + 45.1, 16 rows 44.0 + 62.1 vs 211.8 + 356.8; a 16 × 30-token prefill took 7.1 s through
   PyTorch's bf16 matmul, which is compute-bound on AVX2 at every width. On the AVX-512
   bf16 AMD EPYC of session 9 it was slower than PyTorch's native kernels (22.7 vs 22.2 ms for 1
