@@ -328,7 +328,7 @@ class _Norm:
     def __call__(self, x: Tensor) -> Tensor:
         d = x.shape[-1]
         rows = x.numel() // d if d else 0
-        if (rows >= 1 and (rows <= self.kernel.max_rows or self.kernel.chunked) and x.dtype == torch.bfloat16 and not torch.is_grad_enabled()
+        if (self.kernel.serves(rows) and x.dtype == torch.bfloat16 and not torch.is_grad_enabled()
                 and x.device.type == "cpu"):
             return self.norm(x.reshape(rows, d).contiguous(), self.scale(), self.eps, self.round_first).view(x.shape)
         return type(self.module).forward(self.module, x)
