@@ -92,10 +92,12 @@ static inline float bf16_to_f32(uint16_t v) {
     return f;
 }
 
-// y[m, o] = sum_k x[m, k] * w[o, k] for rows m0 .. m0 + MT of x, weight rows o0 .. o0 + 2.
+// y[m, o] = sum_k x[m, k] * w[o, k] for rows m0 .. m0 + MT of x, weight rows o0 .. o0 + 2. `pf`, when
+// set, is the weight pair 16 rows ahead, prefetched a cache line at a time (session 22, Zen 2, Gemma 3
+// 270M's 126 matmuls + LM head, cold weights: 4 rows 54.9 -> 32.2 ms, 16 rows 103.4 -> 80.8 ms).
 template <int MT>
 static inline void tile(const float* x, const uint16_t* w, float* y, int64_t K, int64_t O,
-                        int64_t o, int64_t m0, int64_t orows) {
+                        int64_t o, int64_t m0, int64_t orows, const uint16_t* pf = nullptr) {
     __m256 acc[2][MT];
     for (int r = 0; r < 2; ++r)
         for (int m = 0; m < MT; ++m) acc[r][m] = _mm256_setzero_ps();
@@ -103,6 +105,10 @@ static inline void tile(const float* x, const uint16_t* w, float* y, int64_t K, 
     const uint16_t* w1 = w + (o + (orows > 1 ? 1 : 0)) * K;
     int64_t k = 0;
     for (; k + 8 <= K; k += 8) {
+        if (pf && (k & 31) == 0) {
+            _mm_prefetch(reinterpret_cast<const char*>(pf + k), _MM_HINT_T0);
+            _mm_prefetch(reinterpret_cast<const char*>(pf + K + k), _MM_HINT_T0);
+        }
         __m256 a = load_bf16x8(w0 + k);
         __m256 b = load_bf16x8(w1 + k);
         for (int m = 0; m < MT; ++m) {
@@ -174,15 +180,17 @@ torch::Tensor bf16_linear_f32(torch::Tensor x, torch::Tensor w) {
     at::parallel_for(0, pairs, 64, [&](int64_t begin, int64_t end) {
         for (int64_t p = begin; p < end; ++p) {
             const int64_t o = 2 * p, orows = (o + 1 < O) ? 2 : 1;
+            const uint16_t* pf = (p + 8 < end) ? wp + (o + 16) * K : nullptr;
             int64_t m = 0;
-            for (; m < head; m += 4) tile<4>(xp, wp, yp, K, O, o, m, orows);
+            for (; m < head; m += 4) tile<4>(xp, wp, yp, K, O, o, m, orows, m == 0 ? pf : nullptr);
+            if (head > 0) pf = nullptr;
             switch (M - m) {  // the rest, 1..6 rows, in one tile
-                case 1: tile<1>(xp, wp, yp, K, O, o, m, orows); break;
-                case 2: tile<2>(xp, wp, yp, K, O, o, m, orows); break;
-                case 3: tile<3>(xp, wp, yp, K, O, o, m, orows); break;
-                case 4: tile<4>(xp, wp, yp, K, O, o, m, orows); break;
-                case 5: tile<5>(xp, wp, yp, K, O, o, m, orows); break;
-                case 6: tile<6>(xp, wp, yp, K, O, o, m, orows); break;
+                case 1: tile<1>(xp, wp, yp, K, O, o, m, orows, pf); break;
+                case 2: tile<2>(xp, wp, yp, K, O, o, m, orows, pf); break;
+                case 3: tile<3>(xp, wp, yp, K, O, o, m, orows, pf); break;
+                case 4: tile<4>(xp, wp, yp, K, O, o, m, orows, pf); break;
+                case 5: tile<5>(xp, wp, yp, K, O, o, m, orows, pf); break;
+                case 6: tile<6>(xp, wp, yp, K, O, o, m, orows, pf); break;
                 default: break;
             }
         }
