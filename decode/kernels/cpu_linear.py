@@ -130,7 +130,7 @@ class _Kernel:
     def argmax(self, flat: Tensor, w: Tensor) -> Tensor:
         """argmax over the O outputs of bf16 ``flat`` [M, K] @ w^T, rounded to bf16, lowest index on ties -> [M] long."""
         if self.name == "avx2":
-            return self(flat, w).to(torch.bfloat16).argmax(-1)
+            return self.load().argmax_bf16_rounded(self(flat, w))
         if self._amx_fits(flat, w):
             return self.load().amx_linear_argmax(flat.contiguous(), w.contiguous())
         return self.load().bf16_linear_argmax(flat.contiguous(), w.contiguous())

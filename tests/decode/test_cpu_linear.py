@@ -247,6 +247,30 @@ def test_fused_head_argmax_gives_the_ids_of_the_heads_own_bf16_logits(backend, r
         assert torch.equal(got["ties"], head(x).argmax(-1))
 
 
+@pytest.mark.skipif("avx2" not in RUNNABLE, reason="needs a CPU with AVX2 and FMA")
+@pytest.mark.parametrize("rows", [1, 4])
+def test_avx2_argmax_epilogue_picks_what_rounding_to_bf16_then_argmax_picks(rows):
+    # The AVX2 head computes fp32 logits and takes the argmax of their bf16 rounding in one pass,
+    # in blocks of 16,384 columns merged in order. Over 40,000 columns (three blocks): values that
+    # differ in fp32 but tie once rounded (the first must win), the maximum in a later block,
+    # the same maximum in two blocks (the earlier must win), and rounding to nearest even.
+    g = torch.Generator().manual_seed(rows)
+    y = torch.randn(rows, 40000, generator=g)
+    y[0, 20000], y[0, 39999] = 7.0, 7.0  # tie across blocks 1 and 2: 20000
+    y[0, 5] = 6.9  # below both
+    if rows > 1:
+        y[1, 30000], y[1, 30001] = 9.0, 9.0 + 2**-12  # equal in bf16: 30000, though 30001 is larger in fp32
+        y[2, 39000] = 12.0  # strict winner late in the last block
+        y[3] = float("-inf")  # all equal: index 0
+        y[3, 17000] = 1.0 + 2**-8  # halfway between two bf16 values: rounds to even (1.0), ties with...
+        y[3, 17001] = 1.0  # ...this one, and the first of them wins
+    ext = cpu_linear.KERNELS["avx2"].load()
+    assert torch.equal(ext.argmax_bf16_rounded(y), y.to(torch.bfloat16).argmax(-1))
+    assert ext.argmax_bf16_rounded(y)[0].item() == 20000
+    if rows > 1:
+        assert ext.argmax_bf16_rounded(y)[1:].tolist() == [30000, 39000, 17000]
+
+
 @pytest.mark.parametrize("backend", RUNNABLE)
 def test_a_loaded_drafter_runs_through_the_targets_kernel(tmp_path, backend):
     # A draft step feeds as few rows as a target step: a drafter loaded from its folder for a
