@@ -49,7 +49,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from drafttrain.decode.kernels.cpu_linear import installed_backend
+from drafttrain.decode.kernels.cpu_linear import KERNELS, installed_backend
 from drafttrain.decode.proposers.base import Proposer, proposer_key
 
 __all__ = ["CostModel", "measure_cost_model", "load_or_measure", "proposer_key", "FREE_PROPOSERS",
@@ -277,6 +277,8 @@ def _cache_file(identity: dict, cache_dir: str | Path) -> Path:
         keyed["norms"] = "kernel"  # RMS norms through the norm kernel too (session 15): every step is cheaper
         if identity["linear"] == "avx2":
             keyed["rows"] = "1+"  # session 21: one row and prefill through the AVX2 kernel too (was 2-64)
+        if identity["linear"] in KERNELS:  # session 22: any change to the kernel's source re-measures
+            keyed["kernel_source"] = hashlib.sha256(KERNELS[identity["linear"]].source.encode()).hexdigest()[:16]
     digest = hashlib.sha256(json.dumps(keyed, sort_keys=True).encode()).hexdigest()[:16]
     return Path(cache_dir).expanduser() / f"{identity['model_type']}-{digest}.json"
 

@@ -68,6 +68,7 @@ Deliberately not here: backward (inference only), more than 8 / 16 rows under av
 from __future__ import annotations
 
 import os
+import sys
 import threading
 from contextlib import contextmanager
 from pathlib import Path
@@ -243,18 +244,26 @@ def bf16_linear(x: Tensor, w: Tensor, bias: Tensor | None = None, backend: str =
 class _Forward:
     """The replacement `forward` of one nn.Linear: the kernel for small inputs, PyTorch's otherwise.
 
-    bf16 inputs to a bias-free layer take one call into the AVX-512 tiles that returns bf16
-    (`bf16_linear_bf16`: no fp32 buffer, no cast after it; 127 such calls per Gemma 3 270M step),
-    except where the AMX tiles serve the shape."""
+    bf16 inputs to a bias-free layer take one call into the kernel that returns bf16
+    (`bf16_linear_bf16`: no PyTorch cast before or after it; 127 such calls per Gemma 3 270M step):
+    the AVX-512 tiles (except where the AMX tiles serve the shape), or the AVX2 kernel, which widens
+    and rounds inside, in chunks of its `max_rows`."""
 
     def __init__(self, module: nn.Linear, backend: str):
         self.module, self.backend = module, backend
         k = KERNELS[backend]
         self.kernel = k
         w = module.weight
-        self.direct = k.load().bf16_linear_bf16 if backend in ("avx512", "amx") and module.bias is None else None
+        self.direct = None
+        if module.bias is None and backend in ("avx512", "amx"):
+            self.direct = k.load().bf16_linear_bf16
+        elif module.bias is None and backend == "avx2":
+            ext, chunk = k.load(), k.max_rows
+            self.direct = lambda x, w: ext.bf16_linear_bf16(x, w, chunk)
         # AMX serves 3+ rows where K and O sit on its 32 grid; below 3 rows the AVX-512 tiles do
         self.direct_max = 2 if backend == "amx" and w.shape[0] % 32 == 0 and w.shape[1] % 32 == 0 else k.max_rows
+        if backend == "avx2":
+            self.direct_max = sys.maxsize  # chunked inside the call
 
     def __call__(self, x: Tensor) -> Tensor:
         mod = self.module

@@ -145,3 +145,11 @@ def test_a_linear_kernel_gets_its_own_cost_model_cache_file():
     assert costmodel_module._cache_file(routed, "c") != costmodel_module._cache_file(plain, "c")
     old_key = {k: plain[k] for k in ("config_hash", "params", "dtype", "device", "threads", "torch", "model_type")}
     assert costmodel_module._cache_file(old_key, "c") == costmodel_module._cache_file(plain, "c")
+    kernel = cpu_linear.KERNELS[runnable[0]]
+    source = kernel.source
+    try:  # an edited kernel (a new tile, a prefetch) re-measures instead of reading stale costs
+        kernel.source = source + "\n// edited"
+        edited = costmodel_module._cache_file(routed, "c")
+    finally:
+        kernel.source = source
+    assert edited != costmodel_module._cache_file(routed, "c")

@@ -80,6 +80,14 @@ def test_install_routes_its_row_range_only_and_uninstall_restores_pytorch(backen
         assert torch.equal(big, before_big)  # prefill-sized inputs keep PyTorch's matmul
     assert torch.equal(low, before_low)
     assert torch.equal(got_in, cpu_linear.bf16_linear(x_in, head.weight, backend=backend))
+    for shape in ((1, 1, 64), (2, 3, 64), (7, 64)):  # the one-call bf16 path gives the cast path's bits
+        x = torch.randn(*shape).to(torch.bfloat16)
+        cpu_linear.install(head, backend)
+        with torch.inference_mode():
+            routed = head(x)
+        cpu_linear.uninstall(head)
+        assert routed.dtype == torch.bfloat16 and routed.shape == (*shape[:-1], 300)
+        assert torch.equal(routed, cpu_linear.bf16_linear(x, head.weight, backend=backend))
     assert torch.equal(paused, before_in) and torch.equal(again, got_in)  # paused() restores the kernel
     assert torch.equal(after, before_in)
     assert not cpu_linear.routes(head, kern.max_rows)
