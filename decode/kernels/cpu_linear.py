@@ -78,6 +78,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from drafttrain.config import LINEAR_BACKENDS
+from drafttrain.decode.kernels import cpu_linear_avx2_src as _avx2_src
 from drafttrain.decode.kernels import cpu_linear_src as _src
 
 __all__ = ["KERNELS", "head_argmax", "routes", "BACKENDS", "available", "bf16_linear", "install", "installed_backend", "setup", "is_installed", "paused", "routed_norms",
@@ -143,7 +144,7 @@ _lock = threading.Lock()
 #: `max_rows`, PyTorch's matmul, whose AMX / AVX-512 paths win on compute-bound work, except for
 #: the chunked avx2 kernel: PyTorch's bf16 matmul on AVX2 is slower than it at every row count)
 KERNELS = {
-    "avx2": _Kernel("avx2", _src.NORM_SOURCE + _src.AVX2_SOURCE, {"avx2", "fma"}, ["-mavx2", "-mfma"], (1, 64),
+    "avx2": _Kernel("avx2", _src.NORM_SOURCE + _avx2_src.AVX2_SOURCE, {"avx2", "fma"}, ["-mavx2", "-mfma"], (1, 64),
                     chunked=True),
     "avx512": _Kernel("avx512", _src.NORM_SOURCE + _src.AVX512_SOURCE + _src.AVX512_BINDINGS, {"avx512f", "avx512bw", "avx512_bf16"},
                       ["-mavx512f", "-mavx512bw", "-mavx512bf16"], (1, 8)),

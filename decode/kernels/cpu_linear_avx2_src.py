@@ -1,0 +1,219 @@
+"""C++ source of the AVX2 bf16 linear kernel (`cpu_linear`'s "avx2" backend), for CPUs without AVX-512 bf16.
+
+``AVX2_SOURCE``: bf16 weights widened to fp32 in registers and fp32 FMAs; one row of x through
+four-weight-row tiles with a prefetch (`gemv_tile4`), 2-64 rows through tiles of up to six rows of x
+over a weight pair with a prefetch, the fused bf16-in / bf16-out call that `cpu_linear._Forward` uses,
+and the greedy head's argmax of bf16-rounded logits. Compiled after `cpu_linear_src.NORM_SOURCE`
+(whose `norm_widen` / `norm_round` it uses). `cpu_linear`'s docstring gives the numbers and the routing.
+"""
+
+AVX2_SOURCE = r"""
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+static inline __m256 load_bf16x8(const uint16_t* p) {
+    __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+static inline float bf16_to_f32(uint16_t v) {
+    uint32_t u = static_cast<uint32_t>(v) << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+}
+
+// y[m, o] = sum_k x[m, k] * w[o, k] for rows m0 .. m0 + MT of x, weight rows o0 .. o0 + 2. `pf`, when
+// set, is the weight pair 16 rows ahead, prefetched a cache line at a time (session 22, Zen 2, Gemma 3
+// 270M's 126 matmuls + LM head, cold weights: 4 rows 54.9 -> 32.2 ms, 16 rows 103.4 -> 80.8 ms).
+template <int MT>
+static inline void tile(const float* x, const uint16_t* w, float* y, int64_t K, int64_t O,
+                        int64_t o, int64_t m0, int64_t orows, const uint16_t* pf = nullptr) {
+    __m256 acc[2][MT];
+    for (int r = 0; r < 2; ++r)
+        for (int m = 0; m < MT; ++m) acc[r][m] = _mm256_setzero_ps();
+    const uint16_t* w0 = w + o * K;
+    const uint16_t* w1 = w + (o + (orows > 1 ? 1 : 0)) * K;
+    int64_t k = 0;
+    for (; k + 8 <= K; k += 8) {
+        if (pf && (k & 31) == 0) {
+            _mm_prefetch(reinterpret_cast<const char*>(pf + k), _MM_HINT_T0);
+            _mm_prefetch(reinterpret_cast<const char*>(pf + K + k), _MM_HINT_T0);
+        }
+        __m256 a = load_bf16x8(w0 + k);
+        __m256 b = load_bf16x8(w1 + k);
+        for (int m = 0; m < MT; ++m) {
+            __m256 xv = _mm256_loadu_ps(x + (m0 + m) * K + k);
+            acc[0][m] = _mm256_fmadd_ps(a, xv, acc[0][m]);
+            acc[1][m] = _mm256_fmadd_ps(b, xv, acc[1][m]);
+        }
+    }
+    for (int m = 0; m < MT; ++m) {
+        float s0 = hsum(acc[0][m]), s1 = hsum(acc[1][m]);
+        for (int64_t kk = k; kk < K; ++kk) {
+            float xv = x[(m0 + m) * K + kk];
+            s0 += bf16_to_f32(w0[kk]) * xv;
+            s1 += bf16_to_f32(w1[kk]) * xv;
+        }
+        y[(m0 + m) * O + o] = s0;
+        if (orows > 1) y[(m0 + m) * O + o + 1] = s1;
+    }
+}
+
+// One row of x (target-only decoding): four weight rows per tile, two accumulators each (16 weights
+// per row per k step), and the tile 16 weight rows ahead prefetched, so the memory stream keeps going
+// while the core widens and multiplies (session 21, Zen 2, Gemma 3 270M's 126 matmuls + LM head with
+// cold weights: 37.7 ms through the two-row tiles above, 25.8 ms this way).
+static inline void gemv_tile4(const float* x, const uint16_t* w, float* y, int64_t K, int64_t o, bool prefetch) {
+    __m256 acc[4][2];
+    for (int r = 0; r < 4; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    const uint16_t* pf = w + (o + 16) * K;
+    int64_t k = 0;
+    for (; k + 16 <= K; k += 16) {
+        if (prefetch)
+            for (int r = 0; r < 4; ++r) _mm_prefetch(reinterpret_cast<const char*>(pf + r * K + k), _MM_HINT_T0);
+        const __m256 x0 = _mm256_loadu_ps(x + k), x1 = _mm256_loadu_ps(x + k + 8);
+        for (int r = 0; r < 4; ++r) {
+            acc[r][0] = _mm256_fmadd_ps(load_bf16x8(w + (o + r) * K + k), x0, acc[r][0]);
+            acc[r][1] = _mm256_fmadd_ps(load_bf16x8(w + (o + r) * K + k + 8), x1, acc[r][1]);
+        }
+    }
+    for (int r = 0; r < 4; ++r) {
+        float s = hsum(_mm256_add_ps(acc[r][0], acc[r][1]));
+        for (int64_t kk = k; kk < K; ++kk) s += bf16_to_f32(w[(o + r) * K + kk]) * x[kk];
+        y[o + r] = s;
+    }
+}
+
+// y [M, O] = x [M, K] @ w^T for fp32 x, bf16 w (fp32 sums).
+static void linear_core(const float* xp, const uint16_t* wp, float* yp, int64_t M, int64_t K, int64_t O) {
+    if (M == 1) {
+        const int64_t quads = O / 4;
+        at::parallel_for(0, quads, 32, [&](int64_t begin, int64_t end) {
+            for (int64_t q = begin; q < end; ++q) gemv_tile4(xp, wp, yp, K, 4 * q, q + 4 < end);
+        });
+        for (int64_t o = 4 * quads; o < O; o += 2)  // the last 0-3 weight rows
+            tile<1>(xp, wp, yp, K, O, o, 0, (o + 1 < O) ? 2 : 1);
+        return;
+    }
+    const int64_t pairs = (O + 1) / 2;
+    // Rows of x per tile: up to 6 in one tile (2 x 6 accumulators + 2 weight + 1 x register = 15 of
+    // the 16 ymm registers), so the weights are widened from bf16 once per step; beyond 6, fours and
+    // one tile for the rest. (Tiles of 4, 2, 1 widened them twice for 3 rows: 3 rows cost as much as 4.)
+    const int64_t head = M <= 6 ? 0 : M - (M % 4 < 2 ? M % 4 + 4 : M % 4);  // rows in tiles of 4; 2..5 left
+    at::parallel_for(0, pairs, 64, [&](int64_t begin, int64_t end) {
+        for (int64_t p = begin; p < end; ++p) {
+            const int64_t o = 2 * p, orows = (o + 1 < O) ? 2 : 1;
+            const uint16_t* pf = (p + 8 < end) ? wp + (o + 16) * K : nullptr;
+            int64_t m = 0;
+            for (; m < head; m += 4) tile<4>(xp, wp, yp, K, O, o, m, orows, m == 0 ? pf : nullptr);
+            if (head > 0) pf = nullptr;
+            switch (M - m) {  // the rest, 1..6 rows, in one tile
+                case 1: tile<1>(xp, wp, yp, K, O, o, m, orows, pf); break;
+                case 2: tile<2>(xp, wp, yp, K, O, o, m, orows, pf); break;
+                case 3: tile<3>(xp, wp, yp, K, O, o, m, orows, pf); break;
+                case 4: tile<4>(xp, wp, yp, K, O, o, m, orows, pf); break;
+                case 5: tile<5>(xp, wp, yp, K, O, o, m, orows, pf); break;
+                case 6: tile<6>(xp, wp, yp, K, O, o, m, orows, pf); break;
+                default: break;
+            }
+        }
+    });
+}
+
+torch::Tensor bf16_linear_f32(torch::Tensor x, torch::Tensor w) {
+    TORCH_CHECK(x.dtype() == torch::kFloat32 && x.is_contiguous() && x.dim() == 2, "x: contiguous fp32 [M, K]");
+    TORCH_CHECK(w.dtype() == torch::kBFloat16 && w.is_contiguous() && w.dim() == 2, "w: contiguous bf16 [O, K]");
+    const int64_t M = x.size(0), K = x.size(1), O = w.size(0);
+    TORCH_CHECK(w.size(1) == K, "x and w disagree on K");
+    auto y = torch::empty({M, O}, x.options());
+    linear_core(x.data_ptr<float>(), reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()),
+                y.data_ptr<float>(), M, K, O);
+    return y;
+}
+
+// bf16 x [..., K] -> bf16 y [..., O] in one call: x widened to fp32 and y rounded to bf16 (nearest
+// even, as PyTorch's casts) inside, in chunks of `chunk` rows whose fp32 copies stay in L2, instead
+// of two PyTorch casts around every linear (254 small ops per Gemma 3 270M step).
+torch::Tensor bf16_linear_bf16(torch::Tensor x, torch::Tensor w, int64_t chunk) {
+    TORCH_CHECK(x.dtype() == torch::kBFloat16 && x.dim() >= 1, "x: bf16 [..., K]");
+    TORCH_CHECK(w.dtype() == torch::kBFloat16 && w.is_contiguous() && w.dim() == 2 && w.size(1) == x.size(-1),
+                "w: contiguous bf16 [O, K]");
+    auto xc = x.contiguous();
+    const int64_t K = w.size(1), O = w.size(0), M = K ? xc.numel() / K : 0;
+    auto shape = x.sizes().vec();
+    shape.back() = O;
+    auto y = torch::empty(shape, x.options());
+    const uint16_t* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
+    const uint16_t* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
+    uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
+    chunk = std::max<int64_t>(1, chunk);
+    std::vector<float> xf(std::min(M, chunk) * K), yf(std::min(M, chunk) * O);
+    for (int64_t m0 = 0; m0 < M; m0 += chunk) {
+        const int64_t rows = std::min(chunk, M - m0);
+        for (int64_t i = 0; i < rows * K; ++i) xf[i] = norm_widen(xp[m0 * K + i]);
+        linear_core(xf.data(), wp, yf.data(), rows, K, O);
+        uint16_t* out = yp + m0 * O;
+        at::parallel_for(0, rows * O, 65536, [&](int64_t begin, int64_t end) {
+            for (int64_t i = begin; i < end; ++i) out[i] = norm_round(yf[i]);
+        });
+    }
+    return y;
+}
+
+// argmax over each row of fp32 y [M, O] after rounding to bf16 (what `y.to(bf16).argmax(-1)` gives:
+// nearest-even rounding, first maximum on ties), in one parallel pass without the bf16 copy. The
+// greedy LM head's epilogue: PyTorch's bf16 argmax over 262,144 logits took ~2 ms a row here.
+torch::Tensor argmax_bf16_rounded(torch::Tensor y) {
+    TORCH_CHECK(y.dtype() == torch::kFloat32 && y.is_contiguous() && y.dim() == 2, "y: contiguous fp32 [M, O]");
+    const int64_t M = y.size(0), O = y.size(1);
+    constexpr int64_t kBlock = 16384;
+    const int64_t nblocks = (O + kBlock - 1) / kBlock;
+    std::vector<float> bval(M * nblocks);
+    std::vector<int64_t> bidx(M * nblocks);
+    const float* yp = y.data_ptr<float>();
+    at::parallel_for(0, M * nblocks, 1, [&](int64_t begin, int64_t end) {
+        for (int64_t t = begin; t < end; ++t) {
+            const int64_t m = t / nblocks, o0 = (t % nblocks) * kBlock, o1 = std::min(O, o0 + kBlock);
+            const uint32_t* row = reinterpret_cast<const uint32_t*>(yp + m * O);
+            float best = -INFINITY;
+            int64_t arg = o0;
+            for (int64_t o = o0; o < o1; ++o) {
+                const uint32_t u = (row[o] + 0x7FFFu + ((row[o] >> 16) & 1u)) & 0xFFFF0000u;
+                float v;
+                std::memcpy(&v, &u, 4);
+                if (v > best) best = v, arg = o;
+            }
+            bval[t] = best, bidx[t] = arg;
+        }
+    });
+    auto out = torch::empty({M}, y.options().dtype(torch::kLong));
+    int64_t* op = out.data_ptr<int64_t>();
+    for (int64_t m = 0; m < M; ++m) {
+        float best = -INFINITY;
+        int64_t arg = 0;
+        for (int64_t b = 0; b < nblocks; ++b)
+            if (bval[m * nblocks + b] > best) best = bval[m * nblocks + b], arg = bidx[m * nblocks + b];
+        op[m] = arg;
+    }
+    return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+    m.def("rms_norm", &rms_norm, "RMS norm of bf16 rows [M, D] with an fp32 scale [D] -> bf16 [M, D]");
+    m.def("bf16_linear_f32", &bf16_linear_f32, "x fp32 [M, K] @ w bf16 [O, K]^T -> fp32 [M, O]");
+    m.def("bf16_linear_bf16", &bf16_linear_bf16, "x bf16 [..., K] @ w bf16 [O, K]^T -> bf16 [..., O], in chunks of rows");
+    m.def("argmax_bf16_rounded", &argmax_bf16_rounded, "argmax of each row of fp32 [M, O] rounded to bf16 -> [M] long");
+}
+"""
