@@ -284,6 +284,10 @@ def make_copy(root: Path, dest: Path) -> Path:
 
 def run_tests(src: Path, tests: tuple[str, ...], timeout: float) -> tuple[int, str]:
     env = dict(os.environ, PYTHONPATH=str(src) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    # Each copy builds the C++ kernels in its own folder: two jobs compiling different (mutated)
+    # sources under one extension name in a shared cache can load each other's build (session 22:
+    # a kernel-source mutant "survived" that way beside another kernel mutant).
+    env["TORCH_EXTENSIONS_DIR"] = str(src.parent / "torch_extensions")
     cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "--no-header", *tests]
     try:
         out = subprocess.run(cmd, cwd=src, env=env, capture_output=True, text=True, timeout=timeout)
