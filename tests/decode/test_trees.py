@@ -121,6 +121,34 @@ def test_commit_keeps_only_the_accepted_path(family="gemma3"):
     torch.testing.assert_close(logits[1, 0], want1, atol=1e-4, rtol=1e-4)
 
 
+def test_cache_steps_write_in_place_and_growth_keeps_history(family="gemma3"):
+    """Target-only steps append into the layer buffers without copying the cache (the storage
+    stays put between growths, so a step costs O(new tokens), not O(context)); crossing the
+    capacity reallocates and the logits still match a plain forward of the whole sequence."""
+    model = target(family)
+    seq = torch.randint(3, 257, (1, 80), generator=torch.Generator().manual_seed(2))
+    kv = KVState.for_model(model, 1, torch.device("cpu"))
+    target_forward(model, kv, seq[:, :10], torch.arange(10)[None], torch.arange(-1, 9)[None])
+    kv.commit(torch.arange(10)[None])
+    layer = kv.cache.layers[0]
+    ptrs, lengths = set(), []
+    for t in range(10, 79):
+        logits, _ = target_forward(model, kv, seq[:, t:t + 1], torch.tensor([[t]]), torch.tensor([[-1]]))
+        kv.commit(torch.tensor([[0]]))
+        ptrs.add(layer.keys.data_ptr())
+        lengths.append(layer.keys.shape[2])
+    assert lengths == list(range(11, 80))
+    assert len(ptrs) <= 3  # 69 steps from 10 to 79 entries: at most two doublings (64, 128)
+    want = model(seq[:, :79]).logits[0, -1]
+    torch.testing.assert_close(logits[0, 0], want, atol=1e-4, rtol=1e-4)
+    # a rolled-back draft leaves nothing behind: the next step sees only committed entries
+    target_forward(model, kv, torch.tensor([[5, 6]]), torch.tensor([[79, 80]]), torch.tensor([[-1, 0]]))
+    kv.rollback()
+    assert layer.keys.shape[2] == 79
+    logits, _ = target_forward(model, kv, seq[:, 79:80], torch.tensor([[79]]), torch.tensor([[-1]]))
+    torch.testing.assert_close(logits[0, 0], model(seq).logits[0, -1], atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("tree,tau", [([(0,), (1,), (0, 0), (0, 0, 0), (0, 1)], 4.0), ([(0,)], 2.0)])
 def test_self_drafting_static_tree_accepts_the_top1_branch(tree, tau):
     """Draft LM = the target itself: the top-1 branch of any static tree is always accepted."""
