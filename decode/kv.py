@@ -45,6 +45,7 @@ from torch import Tensor, nn
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from drafttrain.decode.kernels import cpu_layers
 from drafttrain.decode.kernels.cpu_linear import head_argmax, routes
 from drafttrain.textconfig import text_config
 
@@ -107,18 +108,32 @@ class _GrowingLayer(DynamicLayer):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         n, L = key_states.shape[-2], self._len
-        if self._kbuf is None or L + n > self.capacity:
+        kbuf, vbuf, _ = self.reserve(key_states.shape[:2], n, key_states.shape[-1], key_states.dtype, key_states.device)
+        kbuf[:, :, L: L + n] = key_states
+        vbuf[:, :, L: L + n] = value_states
+        self._len = L + n
+        return self.keys, self.values
+
+    def reserve(self, lead: tuple[int, int], n: int, head_dim: int, dtype: torch.dtype,
+                device: torch.device) -> tuple[Tensor, Tensor, int]:
+        """Makes room for n more entries; returns (key buffer, value buffer, filled length): contiguous
+        [B, heads, capacity, head_dim] buffers whose entries from the filled length on are free.
+        A writer that fills entries L .. L + n itself calls `advance(n)` after."""
+        L = self._len
+        if self._kbuf is None or L + n > self.capacity or not self._kbuf.is_contiguous():
             cap = max(2 * self.capacity, L + n, 64)
-            kbuf = key_states.new_empty(*key_states.shape[:2], cap, key_states.shape[-1])
-            vbuf = value_states.new_empty(*value_states.shape[:2], cap, value_states.shape[-1])
+            kbuf = torch.empty(*lead, cap, head_dim, dtype=dtype, device=device)
+            vbuf = torch.empty(*lead, cap, head_dim, dtype=dtype, device=device)
             if L:
                 kbuf[:, :, :L] = self._kbuf[:, :, :L]
                 vbuf[:, :, :L] = self._vbuf[:, :, :L]
             self._kbuf, self._vbuf = kbuf, vbuf
-        self._kbuf[:, :, L: L + n] = key_states
-        self._vbuf[:, :, L: L + n] = value_states
-        self._len = L + n
-        return self.keys, self.values
+            self.device, self.is_initialized = device, True
+        return self._kbuf, self._vbuf, L
+
+    def advance(self, n: int) -> None:
+        """Counts n entries written into the buffers `reserve` returned as filled."""
+        self._len += n
 
     def truncate(self, length: int) -> None:
         """Keeps the first `length` entries (the rest of the buffer is spare room)."""
@@ -318,30 +333,37 @@ def target_forward(model: nn.Module, kv: KVState, input_ids: Tensor, positions: 
     head_module = model.get_output_embeddings()
     if head != "logits" and getattr(head_module, "bias", None) is not None:
         head = "logits" if head == "argmax" else head  # a biased head: keep the model's own path
-    kwargs = dict(input_ids=input_ids, attention_mask=mask, position_ids=positions, cache=kv.cache,
-                  use_cache=True, output_hidden_states=bool(hidden_ids))
-    if head == "logits":
-        out = model(**kwargs)
-        result = out.logits
+    layers = cpu_layers.fused(model)
+    if layers is not None and input_ids.numel() <= cpu_layers.MAX_ROWS and not torch.is_grad_enabled():
+        # one C++ call per decoder layer (kernels/cpu_layers.py); Gemma 3 has no final logit cap
+        last, states = layers.forward(input_ids, positions, mask, kv.cache)
+        hidden = {i: states[i] for i in hidden_ids}
+        if head == "logits":
+            return head_module(last), hidden
     else:
+        kwargs = dict(input_ids=input_ids, attention_mask=mask, position_ids=positions, cache=kv.cache,
+                      use_cache=True, output_hidden_states=bool(hidden_ids))
+        if head == "logits":
+            out = model(**kwargs)
+            return out.logits, {i: out.hidden_states[i] for i in hidden_ids}
         body = model.get_decoder() if hasattr(model, "get_decoder") else model.model
         out = body(**kwargs)
-        result = None
-        if head == "argmax":
-            # Positive logit scales and tanh soft caps are monotone: argmax(h @ W^T) is the
-            # model's greedy token.
-            from drafttrain.decode.kernels.greedy import greedy_lm_head_argmax
+        last = out.last_hidden_state
+        hidden = {i: out.hidden_states[i] for i in hidden_ids} if hidden_ids else {}
+    result = None
+    if head == "argmax":
+        # Positive logit scales and tanh soft caps are monotone: argmax(h @ W^T) is the
+        # model's greedy token.
+        from drafttrain.decode.kernels.greedy import greedy_lm_head_argmax
 
-            last = out.last_hidden_state  # [B, n, H]
-            flat = last.reshape(-1, last.shape[-1])
-            if routes(head_module, flat.shape[0]):
-                # the CPU kernel reads the head once for every row, argmax fused where it can
-                result = head_argmax(head_module, flat).view(last.shape[:2])  # first maximum on ties
-            else:
-                result = greedy_lm_head_argmax(flat, head_module.weight).view(last.shape[:2])
-        elif head == "hidden":
-            result = out.last_hidden_state
-    hidden = {i: out.hidden_states[i] for i in hidden_ids} if hidden_ids else {}
+        flat = last.reshape(-1, last.shape[-1])  # [B * n, H]
+        if routes(head_module, flat.shape[0]):
+            # the CPU kernel reads the head once for every row, argmax fused where it can
+            result = head_argmax(head_module, flat).view(last.shape[:2])  # first maximum on ties
+        else:
+            result = greedy_lm_head_argmax(flat, head_module.weight).view(last.shape[:2])
+    elif head == "hidden":
+        result = last
     return result, hidden
 
 

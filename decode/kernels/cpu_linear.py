@@ -78,6 +78,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from drafttrain.config import LINEAR_BACKENDS
+from drafttrain.decode.kernels import cpu_layer_src as _layer_src
+from drafttrain.decode.kernels import cpu_layers
 from drafttrain.decode.kernels import cpu_linear_avx2_src as _avx2_src
 from drafttrain.decode.kernels import cpu_linear_src as _src
 
@@ -144,7 +146,8 @@ _lock = threading.Lock()
 #: `max_rows`, PyTorch's matmul, whose AMX / AVX-512 paths win on compute-bound work, except for
 #: the chunked avx2 kernel: PyTorch's bf16 matmul on AVX2 is slower than it at every row count)
 KERNELS = {
-    "avx2": _Kernel("avx2", _src.NORM_SOURCE + _avx2_src.AVX2_SOURCE, {"avx2", "fma"}, ["-mavx2", "-mfma"], (1, 64),
+    "avx2": _Kernel("avx2", _src.NORM_SOURCE + _avx2_src.AVX2_SOURCE + _layer_src.LAYER_SOURCE + _avx2_src.AVX2_BINDINGS
+                    + _layer_src.LAYER_BINDINGS + "}\n", {"avx2", "fma"}, ["-mavx2", "-mfma"], (1, 64),
                     chunked=True),
     "avx512": _Kernel("avx512", _src.NORM_SOURCE + _src.AVX512_SOURCE + _src.AVX512_BINDINGS, {"avx512f", "avx512bw", "avx512_bf16"},
                       ["-mavx512f", "-mavx512bw", "-mavx512bf16"], (1, 8)),
@@ -309,6 +312,7 @@ def install(model: nn.Module, backend: str = "avx2") -> int:
             n += 1
         elif (mode := _norm_mode(mod, backend)) is not None:
             mod.forward = _Norm(mod, backend, mode)
+    cpu_layers.install(model, backend, KERNELS[backend].load())
     return n
 
 
@@ -408,17 +412,22 @@ def routed_norms(model: nn.Module) -> int:
 def paused(model: nn.Module):
     """PyTorch's forward on every module `install` changed, for the duration of the block."""
     saved = [(m, vars(m)["forward"]) for m in model.modules() if is_installed(m)]
+    layers = cpu_layers.fused(model)
     for m, _ in saved:
         del m.forward
+    cpu_layers.uninstall(model)
     try:
         yield
     finally:
         for m, fwd in saved:
             m.forward = fwd
+        if layers is not None:
+            model.__dict__[cpu_layers._ATTR] = layers
 
 
 def uninstall(model: nn.Module) -> None:
     """Restores PyTorch's forward on every module `install` changed."""
+    cpu_layers.uninstall(model)
     for mod in model.modules():
         if is_installed(mod):
             del mod.forward

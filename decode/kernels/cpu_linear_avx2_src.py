@@ -3,8 +3,9 @@
 ``AVX2_SOURCE``: bf16 weights widened to fp32 in registers and fp32 FMAs; one row of x through
 four-weight-row tiles with a prefetch (`gemv_tile4`), 2-64 rows through tiles of up to six rows of x
 over a weight pair with a prefetch, the fused bf16-in / bf16-out call that `cpu_linear._Forward` uses,
-and the greedy head's argmax of bf16-rounded logits. Compiled after `cpu_linear_src.NORM_SOURCE`
-(whose `norm_widen` / `norm_round` it uses). `cpu_linear`'s docstring gives the numbers and the routing.
+and the greedy head's argmax of bf16-rounded logits; ``AVX2_BINDINGS``, its Python bindings. Compiled
+after `cpu_linear_src.NORM_SOURCE` (whose `norm_widen` / `norm_round` it uses) and before
+`cpu_layer_src.LAYER_SOURCE` (one Gemma 3 layer per call, built on these kernels). `cpu_linear`'s docstring gives the numbers and the routing.
 """
 
 AVX2_SOURCE = r"""
@@ -210,10 +211,13 @@ torch::Tensor argmax_bf16_rounded(torch::Tensor y) {
     return out;
 }
 
+"""
+
+# The module's bindings, left open: `cpu_linear` appends `cpu_layer_src.LAYER_BINDINGS` and the closing brace.
+AVX2_BINDINGS = r"""
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("rms_norm", &rms_norm, "RMS norm of bf16 rows [M, D] with an fp32 scale [D] -> bf16 [M, D]");
     m.def("bf16_linear_f32", &bf16_linear_f32, "x fp32 [M, K] @ w bf16 [O, K]^T -> fp32 [M, O]");
     m.def("bf16_linear_bf16", &bf16_linear_bf16, "x bf16 [..., K] @ w bf16 [O, K]^T -> bf16 [..., O], in chunks of rows");
     m.def("argmax_bf16_rounded", &argmax_bf16_rounded, "argmax of each row of fp32 [M, O] rounded to bf16 -> [M] long");
-}
 """

@@ -1,0 +1,159 @@
+"""C++ source of one whole Gemma 3 decoder layer per call, for decode steps through the AVX2 kernel.
+
+``LAYER_SOURCE`` is compiled into the AVX2 extension after `cpu_linear_src.NORM_SOURCE` and
+`cpu_linear_avx2_src.AVX2_SOURCE`, whose `rms_norm`, `bf16_linear_bf16`, `load_bf16x8` and `hsum` it
+calls. `cpu_layers` (the Python side) says why and what it measured.
+
+Numerics: every step rounds to bf16 where the transformers layer's bf16 ops round (each norm, each
+projection, the rotary embedding's two products and their sum, the gelu, the gate product, each
+residual add), so a layer's output differs from PyTorch's by what the kernels' own summation order
+and the attention's differ: the attention sums q·k and p·v in fp32 over the whole context at once
+(PyTorch's CPU flash attention works in blocks of keys and rounds the probabilities to bf16 before
+p·v), then rounds once.
+"""
+
+LAYER_SOURCE = r"""
+#include <cmath>
+
+static inline float gelu_tanh(float x) {  // what F.gelu(x, approximate="tanh") computes, in fp32
+    const float k0 = 0.7978845608028654f, k1 = 0.044715f;
+    return 0.5f * x * (1.0f + std::tanh(k0 * (x + k1 * x * x * x)));
+}
+
+static inline float to_bf16(float f) { return norm_widen(norm_round(f)); }
+
+static inline const uint16_t* bits(const torch::Tensor& t) {
+    return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>());
+}
+
+static inline uint16_t* wbits(torch::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>()); }
+
+// y = bf16(a + b) elementwise over bf16 tensors of one shape (a residual add)
+static torch::Tensor add_bf16(const torch::Tensor& a, const torch::Tensor& b) {
+    auto y = torch::empty_like(a);
+    const uint16_t *ap = bits(a), *bp = bits(b);
+    uint16_t* yp = wbits(y);
+    for (int64_t i = 0; i < a.numel(); ++i) yp[i] = norm_round(norm_widen(ap[i]) + norm_widen(bp[i]));
+    return y;
+}
+
+// Rotary embedding in place on bf16 rows t [M, heads * hd]: t = bf16(bf16(t cos) + bf16(rot(t) sin)),
+// rot(t) = (-t[half:], t[:half]); cos / sin: bf16 [M, hd] (one row per token).
+static void rope_inplace(torch::Tensor& t, const torch::Tensor& cos, const torch::Tensor& sin, int64_t heads,
+                         int64_t hd) {
+    const int64_t M = cos.size(0), half = hd / 2;
+    uint16_t* tp = wbits(t);
+    const uint16_t *cp = bits(cos), *sp = bits(sin);
+    std::vector<float> row(hd);
+    for (int64_t m = 0; m < M; ++m)
+        for (int64_t h = 0; h < heads; ++h) {
+            uint16_t* r = tp + (m * heads + h) * hd;
+            for (int64_t d = 0; d < hd; ++d) row[d] = norm_widen(r[d]);
+            for (int64_t d = 0; d < hd; ++d) {
+                const float rot = d < half ? -row[d + half] : row[d - half];
+                r[d] = norm_round(to_bf16(row[d] * norm_widen(cp[m * hd + d])) +
+                                  to_bf16(rot * norm_widen(sp[m * hd + d])));
+            }
+        }
+}
+
+// Attention of the n new tokens of each of B rows over the T = L + n entries of their cache rows.
+// q: bf16 [B * n, Hq * hd]; kbuf / vbuf: bf16 [B, Hkv, cap, hd] (entries 0 .. T); mask: fp32 [B, n, T]
+// additive. Returns bf16 [B * n, Hq * hd]. fp32 sums, softmax over the whole row, one rounding.
+static torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& kbuf, const torch::Tensor& vbuf,
+                            const torch::Tensor& mask, int64_t n, int64_t T, int64_t Hq, int64_t Hkv,
+                            int64_t hd, float scaling) {
+    const int64_t B = kbuf.size(0), cap = kbuf.size(2), groups = Hq / Hkv;
+    auto out = torch::empty_like(q);
+    const uint16_t *qp = bits(q), *kp = bits(kbuf), *vp = bits(vbuf);
+    uint16_t* op = wbits(out);
+    const float* mp = mask.data_ptr<float>();
+    at::parallel_for(0, B * Hq * n, 1, [&](int64_t begin, int64_t end) {
+        std::vector<float> score(T), qf(hd), acc(hd);
+        for (int64_t task = begin; task < end; ++task) {
+            const int64_t b = task / (Hq * n), h = (task / n) % Hq, j = task % n, g = h / groups;
+            const uint16_t* qr = qp + ((b * n + j) * Hq + h) * hd;
+            for (int64_t d = 0; d < hd; ++d) qf[d] = norm_widen(qr[d]);
+            const uint16_t* kb = kp + (b * Hkv + g) * cap * hd;
+            const uint16_t* vb = vp + (b * Hkv + g) * cap * hd;
+            const float* mr = mp + (b * n + j) * T;
+            float mx = -INFINITY;
+            for (int64_t t = 0; t < T; ++t) {
+                __m256 s = _mm256_setzero_ps();
+                for (int64_t d = 0; d < hd; d += 8)
+                    s = _mm256_fmadd_ps(_mm256_loadu_ps(qf.data() + d), load_bf16x8(kb + t * hd + d), s);
+                score[t] = hsum(s) * scaling + mr[t];
+                mx = std::max(mx, score[t]);
+            }
+            float sum = 0.f;
+            for (int64_t t = 0; t < T; ++t) sum += (score[t] = std::exp(score[t] - mx));
+            std::fill(acc.begin(), acc.end(), 0.f);
+            for (int64_t t = 0; t < T; ++t) {
+                if (score[t] == 0.f) continue;
+                const __m256 p = _mm256_set1_ps(score[t]);
+                for (int64_t d = 0; d < hd; d += 8)
+                    _mm256_storeu_ps(acc.data() + d,
+                                     _mm256_fmadd_ps(p, load_bf16x8(vb + t * hd + d), _mm256_loadu_ps(acc.data() + d)));
+            }
+            uint16_t* orow = op + ((b * n + j) * Hq + h) * hd;
+            const float inv = 1.f / sum;
+            for (int64_t d = 0; d < hd; ++d) orow[d] = norm_round(acc[d] * inv);
+        }
+    });
+    return out;
+}
+
+// One Gemma 3 decoder layer for n new tokens of B rows: h bf16 [B, n, D] -> bf16 [B, n, D]. Writes the
+// new keys / values into kbuf / vbuf [B, Hkv, cap, hd] at entries L .. L + n. w: q, k, v, o, gate, up,
+// down weights (bf16 [O, K]); s: fp32 scales (1 + weight) of the input, q, k, post-attention,
+// pre-feedforward and post-feedforward norms; cos / sin: bf16 [B, n, hd]; mask: fp32 [B, n, L + n].
+torch::Tensor gemma3_layer(torch::Tensor h, std::vector<torch::Tensor> w, std::vector<torch::Tensor> s,
+                           torch::Tensor kbuf, torch::Tensor vbuf, int64_t L, torch::Tensor cos,
+                           torch::Tensor sin, torch::Tensor mask, int64_t Hq, int64_t Hkv, int64_t hd,
+                           double eps, double scaling, int64_t chunk) {
+    TORCH_CHECK(h.dtype() == torch::kBFloat16 && h.dim() == 3 && h.is_contiguous(), "h: contiguous bf16 [B, n, D]");
+    TORCH_CHECK(w.size() == 7 && s.size() == 6, "7 weights and 6 norm scales");
+    TORCH_CHECK(hd % 8 == 0 && Hq % Hkv == 0, "head_dim a multiple of 8, query heads a multiple of KV heads");
+    const int64_t B = h.size(0), n = h.size(1), D = h.size(2), M = B * n, T = L + n;
+    TORCH_CHECK(kbuf.dtype() == torch::kBFloat16 && kbuf.is_contiguous() && vbuf.is_contiguous() &&
+                kbuf.size(0) == B && kbuf.size(1) == Hkv && kbuf.size(2) >= T && kbuf.size(3) == hd,
+                "kbuf / vbuf: contiguous bf16 [B, Hkv, >= L + n, hd]");
+    TORCH_CHECK(mask.dtype() == torch::kFloat32 && mask.is_contiguous() && mask.numel() == B * n * T,
+                "mask: contiguous fp32 [B, n, L + n]");
+    auto h2 = h.view({M, D});
+    auto x = rms_norm(h2, s[0], eps, false);
+    auto q = bf16_linear_bf16(x, w[0], chunk);
+    auto k = bf16_linear_bf16(x, w[1], chunk);
+    auto v = bf16_linear_bf16(x, w[2], chunk);
+    q = rms_norm(q.view({M * Hq, hd}), s[1], eps, false).view({M, Hq * hd});
+    k = rms_norm(k.view({M * Hkv, hd}), s[2], eps, false).view({M, Hkv * hd});
+    auto cs = cos.reshape({M, hd}).contiguous(), sn = sin.reshape({M, hd}).contiguous();
+    rope_inplace(q, cs, sn, Hq, hd);
+    rope_inplace(k, cs, sn, Hkv, hd);
+    const int64_t cap = kbuf.size(2);
+    uint16_t *kd = wbits(kbuf), *vd = wbits(vbuf);
+    const uint16_t *ks = bits(k), *vs = bits(v);
+    for (int64_t m = 0; m < M; ++m)
+        for (int64_t g = 0; g < Hkv; ++g) {
+            const int64_t b = m / n, j = m % n, at = ((b * Hkv + g) * cap + L + j) * hd;
+            std::memcpy(kd + at, ks + (m * Hkv + g) * hd, hd * 2);
+            std::memcpy(vd + at, vs + (m * Hkv + g) * hd, hd * 2);
+        }
+    auto att = attend(q, kbuf, vbuf, mask, n, T, Hq, Hkv, hd, float(scaling));
+    auto o = rms_norm(bf16_linear_bf16(att, w[3], chunk), s[3], eps, false);
+    auto h1 = add_bf16(h2, o);
+    auto x2 = rms_norm(h1, s[4], eps, false);
+    auto gate = bf16_linear_bf16(x2, w[4], chunk);
+    auto up = bf16_linear_bf16(x2, w[5], chunk);
+    uint16_t* gp = wbits(gate);
+    const uint16_t* upp = bits(up);
+    for (int64_t i = 0; i < gate.numel(); ++i)
+        gp[i] = norm_round(to_bf16(gelu_tanh(norm_widen(gp[i]))) * norm_widen(upp[i]));
+    auto f = rms_norm(bf16_linear_bf16(gate, w[6], chunk), s[5], eps, false);
+    return add_bf16(h1, f).view({B, n, D});
+}
+"""
+
+LAYER_BINDINGS = r"""
+    m.def("gemma3_layer", &gemma3_layer, "one Gemma 3 decoder layer for a decode step (bf16, AVX2)");
+"""

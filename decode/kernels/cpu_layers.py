@@ -1,0 +1,132 @@
+"""Gemma 3 decode steps with one C++ call per decoder layer, on CPUs that run the AVX2 kernel.
+
+Why: with the AVX2 kernels, Gemma 3 270M's matmuls take 27 ms of a 38-39 ms greedy step on the
+2-core Zen 2 (`bench/decode_profile.py`, session 22): the rest is framework — about 2,000 small
+PyTorch ops per step (views, transposes, the rotary embedding's six ops per tensor, the mask
+add, SDPA's setup, residual adds) and transformers' Python around them, microseconds each. Neither
+a hand-written eager forward nor `torch.compile` of one with the kernels as custom ops helped there
+(session 23: 40 and 55 ms against transformers' 38-39): the cost is per op, not per Python line.
+Here one C++ function (`cpu_layer_src`) runs a whole layer — norms, the seven projections through
+the AVX2 kernel, the rotary embedding, the cache write, attention over the tree mask, the gated
+MLP — rounding to bf16 where transformers' bf16 ops round.
+
+What: `install` (called by `cpu_linear.install` for the avx2 backend) attaches a `FusedGemma3` to a
+Gemma 3 model whose linears and norms it routed; `fused(model)` returns it (None otherwise) and
+`kv.target_forward` runs decode steps of up to `MAX_ROWS` rows through it: embedding and rotary
+tables from the model's own modules, then one call per layer into the `KVState`'s growing cache
+buffers, then the model's final norm; hidden states come out as transformers numbers them (0 = the
+embeddings, i = layer i's output, the last one normed). Prefill (more rows) keeps transformers'
+forward. `cpu_linear.uninstall` / `paused` detach it.
+
+Deliberately not here: other architectures (Llama / Qwen layers differ in norms and activation; they
+keep transformers' forward), logit soft caps (Gemma 2), the AVX-512 / AMX kernels (a separate
+extension; not measurable on this machine), training (no autograd).
+"""
+
+from __future__ import annotations
+
+from torch import Tensor, nn
+
+from drafttrain.textconfig import text_config
+
+__all__ = ["FusedGemma3", "MAX_ROWS", "fused", "install", "uninstall"]
+
+#: decode-step inputs (batch rows x tokens fed) served; larger (prefill) run through transformers
+MAX_ROWS = 64
+_ATTR = "_drafttrain_fused_layers"
+
+
+class FusedGemma3:
+    """The per-layer weights and norm scales of one routed Gemma 3 model, and its decode step."""
+
+    def __init__(self, model: nn.Module, ext, norms: list[list]):
+        cfg = text_config(model.config)
+        self.ext, self.body = ext, model.get_decoder()
+        self.types = list(cfg.layer_types)
+        self.hq, self.hkv, self.hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.eps, self.scaling = float(cfg.rms_norm_eps), float(cfg.query_pre_attn_scalar) ** -0.5
+        self.weights = []
+        for layer in self.body.layers:
+            a, mlp = layer.self_attn, layer.mlp
+            self.weights.append([m.weight for m in (a.q_proj, a.k_proj, a.v_proj, a.o_proj,
+                                                    mlp.gate_proj, mlp.up_proj, mlp.down_proj)])
+        self.norms = norms  # per layer: the installed `_Norm`s of input, q, k, post-attn, pre-ff, post-ff
+
+    def forward(self, input_ids: Tensor, positions: Tensor, masks: Tensor | dict[str, Tensor],
+                cache) -> tuple[Tensor, list[Tensor]]:
+        """Feeds [B, n] tokens at [B, n] positions with `KVState.extend`'s additive masks, appending
+        their keys / values to `cache` (a KVState's DynamicCache of growing layers).
+
+        Returns:
+            (final normed hidden [B, n, D], transformers' hidden_states list: embeddings, layers 0 ..
+            N-2's outputs, the final normed hidden).
+        """
+        from drafttrain.decode.kv import _GrowingLayer
+
+        B, n = input_ids.shape
+        h = self.body.embed_tokens(input_ids)
+        rope = {t: self.body.rotary_emb(h, positions, t) for t in set(self.types)}
+        if not isinstance(masks, dict):
+            masks = {t: masks for t in set(self.types)}
+        flat = {t: m[:, 0].float().contiguous() for t, m in masks.items()}  # [B, n, L + n]
+        while len(cache.layers) < len(self.weights):
+            cache.layers.append(_GrowingLayer())
+        states = [h]
+        for i, (w, norms) in enumerate(zip(self.weights, self.norms)):
+            layer, kind = cache.layers[i], self.types[i]
+            kbuf, vbuf, L = layer.reserve((B, self.hkv), n, self.hd, h.dtype, h.device)
+            cos, sin = rope[kind]
+            h = self.ext.gemma3_layer(h.contiguous(), w, [nm.scale() for nm in norms], kbuf, vbuf, L,
+                                      cos.contiguous(), sin.contiguous(), flat[kind], self.hq, self.hkv,
+                                      self.hd, self.eps, self.scaling, MAX_ROWS)
+            layer.advance(n)
+            states.append(h)
+        out = self.body.norm(h)
+        states[-1] = out
+        return out, states
+
+
+def fused(model: nn.Module) -> FusedGemma3 | None:
+    """The attached `FusedGemma3` of `model`, or None."""
+    return vars(model).get(_ATTR)
+
+
+def _reason(model: nn.Module, backend: str) -> str | None:
+    """Why `model` cannot take the fused layers (None: it can)."""
+    if backend != "avx2":
+        return f"the {backend} kernel has no fused layer"
+    body = model.get_decoder() if hasattr(model, "get_decoder") and hasattr(model, "config") else None
+    layers = getattr(body, "layers", None)
+    if layers is None or not len(layers) or type(layers[0]).__name__ != "Gemma3DecoderLayer":
+        return "not a Gemma 3 decoder"
+    cfg = text_config(model.config)
+    if (getattr(cfg, "attn_logit_softcapping", None) is not None or getattr(cfg, "final_logit_softcapping", None) is not None
+            or getattr(cfg, "use_bidirectional_attention", False)
+            or getattr(cfg, "hidden_activation", None) != "gelu_pytorch_tanh" or cfg.head_dim % 8
+            or cfg.num_attention_heads % cfg.num_key_value_heads or getattr(cfg, "attention_bias", False)):
+        return "a Gemma 3 variant the fused layer does not compute"
+    return None
+
+
+def install(model: nn.Module, backend: str, ext) -> bool:
+    """Attaches a `FusedGemma3` where `_reason` finds nothing against it and `cpu_linear.install`
+    routed every norm of every layer through the norm kernel in Gemma's formula; returns whether."""
+    from drafttrain.decode.kernels.cpu_linear import _Norm
+
+    if _reason(model, backend) is not None:
+        return False
+    norms = []
+    for layer in model.get_decoder().layers:
+        mods = (layer.input_layernorm, layer.self_attn.q_norm, layer.self_attn.k_norm,
+                layer.post_attention_layernorm, layer.pre_feedforward_layernorm, layer.post_feedforward_layernorm)
+        fwd = [vars(m).get("forward") for m in mods]
+        if not all(isinstance(f, _Norm) and f.mode == "offset" for f in fwd):
+            return False
+        norms.append(fwd)
+    model.__dict__[_ATTR] = FusedGemma3(model, ext, norms)
+    return True
+
+
+def uninstall(model: nn.Module) -> None:
+    """Detaches the fused layers (the model's own forward serves every step again)."""
+    model.__dict__.pop(_ATTR, None)

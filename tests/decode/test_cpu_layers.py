@@ -1,0 +1,104 @@
+"""One C++ call per Gemma 3 decoder layer (decode/kernels/cpu_layers.py, through the AVX2 kernel):
+a decode step through it gives the logits and hidden states transformers' forward gives over the
+same kernels (tree masks, a sliding window crossed, left padding, batch rows with holes), and
+greedy decoding through it matches PyTorch's up to bf16 near-ties.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_cpu_linear import assert_same_up_to_near_ties  # tests/decode is on sys.path (no __init__)
+
+from drafttrain.decode import speculative_generate
+from drafttrain.decode.kernels import cpu_layers, cpu_linear
+from drafttrain.decode.kv import KVState, target_forward
+from drafttrain.testing import tiny_target
+
+pytestmark = pytest.mark.skipif(not cpu_linear.available("avx2"), reason="needs an x86 CPU with AVX2/FMA and g++")
+
+
+def _bf16_gemma(**kw):
+    target = tiny_target("gemma3", dtype=torch.bfloat16, vocab_size=1031, **kw)
+    cpu_linear.install(target, "avx2")
+    return target
+
+
+def _ulps(got: torch.Tensor, want: torch.Tensor) -> float:
+    """Largest |got - want| in units of the bf16 spacing at the tensor's own scale (max |want|)."""
+    scale = float(want.float().abs().max())
+    return float((got.float() - want.float()).abs().max()) / (scale * 2 ** -8)
+
+
+def _steps(target, fused: bool):
+    """Prefill two left-padded prompts, commit, then verify a branching tree crossing the sliding
+    window (8); returns (tree logits, hidden states, the next step's logits after a ragged commit)."""
+    saved = cpu_layers.fused(target)
+    if not fused:
+        cpu_layers.uninstall(target)
+    try:
+        gen = torch.Generator().manual_seed(5)
+        B, P = 2, 11
+        ids = torch.randint(3, 1031, (B, P), generator=gen)
+        valid = torch.ones(B, P, dtype=torch.bool)
+        valid[1, :3] = False  # row 1: three pads on the left
+        pos = (valid.long().cumsum(1) - 1).clamp(min=0)
+        parents = torch.arange(-1, P - 1).expand(B, -1).clone()
+        kv = KVState.for_model(target, B, torch.device("cpu"))
+        with torch.inference_mode():
+            target_forward(target, kv, ids, pos, parents, valid=valid, head="none")
+            kv.commit(torch.arange(P).expand(B, -1))
+            # root, two children of it, a grandchild under each child
+            tree = torch.randint(3, 1031, (B, 5), generator=gen)
+            tpar = torch.tensor([[-1, 0, 0, 1, 2]] * B)
+            depth = torch.tensor([0, 1, 1, 2, 2])
+            tpos = pos[:, -1:] + 1 + depth
+            logits, hidden = target_forward(target, kv, tree, tpos, tpar, hidden_ids=(0, 1, 2, 4))
+            kv.commit(torch.tensor([[0, 1, 3], [0, 2, -1]]))  # row 0 keeps 3, row 1 keeps 2 (a hole)
+            nxt = torch.randint(3, 1031, (B, 1), generator=gen)
+            npos = torch.stack([tpos[0, 3] + 1, tpos[1, 2] + 1])[:, None]
+            after, _ = target_forward(target, kv, nxt, npos, torch.tensor([[-1], [-1]]))
+        return logits, hidden, after
+    finally:
+        if saved is not None:
+            target.__dict__[cpu_layers._ATTR] = saved
+
+
+def test_gemma3_models_get_the_fused_layers_and_others_do_not():
+    target = _bf16_gemma()
+    assert cpu_layers.fused(target) is not None
+    with cpu_linear.paused(target):
+        assert cpu_layers.fused(target) is None
+    assert cpu_layers.fused(target) is not None
+    cpu_linear.uninstall(target)
+    assert cpu_layers.fused(target) is None
+    llama = tiny_target("llama", dtype=torch.bfloat16, vocab_size=1031)
+    cpu_linear.install(llama, "avx2")
+    assert cpu_layers.fused(llama) is None  # Llama keeps transformers' forward over the kernels
+
+
+def test_a_fused_step_gives_transformers_logits_and_hidden_states():
+    # Differences come only from rounding order (the attention sums over the whole context in fp32,
+    # PyTorch's flash kernel rounds probabilities to bf16): a few bf16 steps at the tensor's scale.
+    # A wrong mask, rotary embedding, head grouping or cache slot moves them by far more.
+    target = _bf16_gemma()
+    logits, hidden, after = _steps(target, fused=True)
+    ref_logits, ref_hidden, ref_after = _steps(target, fused=False)
+    assert set(hidden) == set(ref_hidden) == {0, 1, 2, 4}
+    assert torch.equal(hidden[0], ref_hidden[0])  # the embeddings: the model's own module
+    for i in (1, 2, 4):
+        assert _ulps(hidden[i], ref_hidden[i]) <= 4, i
+    assert _ulps(logits, ref_logits) <= 4
+    assert _ulps(after, ref_after) <= 4
+    assert (logits.argmax(-1) == ref_logits.argmax(-1)).float().mean() >= 0.9
+
+
+def test_greedy_decoding_through_the_fused_layers_matches_transformers_forward():
+    target = _bf16_gemma()
+    ids = torch.randint(3, 1031, (2, 9), generator=torch.Generator().manual_seed(3))
+    fused = speculative_generate(target, None, ids, max_new_tokens=24, eos_token_id=-1)
+    saved = cpu_layers.fused(target)
+    cpu_layers.uninstall(target)
+    plain = speculative_generate(target, None, ids, max_new_tokens=24, eos_token_id=-1)
+    target.__dict__[cpu_layers._ATTR] = saved
+    assert_same_up_to_near_ties(target, ids, fused.sequences, plain.sequences)
