@@ -61,16 +61,14 @@ class FusedGemma3:
             (final normed hidden [B, n, D], transformers' hidden_states list: embeddings, layers 0 ..
             N-2's outputs, the final normed hidden).
         """
-        from drafttrain.decode.kv import _GrowingLayer
-
         B, n = input_ids.shape
         h = self.body.embed_tokens(input_ids)
         rope = {t: self.body.rotary_emb(h, positions, t) for t in set(self.types)}
         if not isinstance(masks, dict):
             masks = {t: masks for t in set(self.types)}
         flat = {t: m[:, 0].float().contiguous() for t, m in masks.items()}  # [B, n, L + n]
-        while len(cache.layers) < len(self.weights):
-            cache.layers.append(_GrowingLayer())
+        while len(cache.layers) < len(self.weights):  # a cache nothing was fed to yet
+            cache.layers.append(cache.layer_class_to_replicate())
         states = [h]
         for i, (w, norms) in enumerate(zip(self.weights, self.norms)):
             layer, kind = cache.layers[i], self.types[i]
@@ -111,8 +109,6 @@ def _reason(model: nn.Module, backend: str) -> str | None:
 def install(model: nn.Module, backend: str, ext) -> bool:
     """Attaches a `FusedGemma3` where `_reason` finds nothing against it and `cpu_linear.install`
     routed every norm of every layer through the norm kernel in Gemma's formula; returns whether."""
-    from drafttrain.decode.kernels.cpu_linear import _Norm
-
     if _reason(model, backend) is not None:
         return False
     norms = []
@@ -120,7 +116,7 @@ def install(model: nn.Module, backend: str, ext) -> bool:
         mods = (layer.input_layernorm, layer.self_attn.q_norm, layer.self_attn.k_norm,
                 layer.post_attention_layernorm, layer.pre_feedforward_layernorm, layer.post_feedforward_layernorm)
         fwd = [vars(m).get("forward") for m in mods]
-        if not all(isinstance(f, _Norm) and f.mode == "offset" for f in fwd):
+        if not all(getattr(f, "mode", None) == "offset" and hasattr(f, "scale") for f in fwd):  # cpu_linear._Norm
             return False
         norms.append(fwd)
     model.__dict__[_ATTR] = FusedGemma3(model, ext, norms)
