@@ -38,7 +38,7 @@ import torch.nn.functional as F
 
 from drafttrain.config import LINEAR_BACKEND_HELP
 from drafttrain.decode import speculative_generate
-from drafttrain.decode.kernels import cpu_linear
+from drafttrain.decode.kernels import cpu_layers, cpu_linear
 from drafttrain.decode.kernels.greedy import greedy_lm_head_argmax
 from drafttrain.decode.kv import KVState, target_forward
 from drafttrain.targets import load_target
@@ -232,6 +232,14 @@ def main(argv=None) -> int:
                 rep = matmul_replay_ms(model, n, args.steps, with_head=True)
                 shapes[(n, head)] = (step, ms)
                 print(f"| {n} token{'s' if n > 1 else ''} | {head} | {ms:.1f} | {rep:.1f} | {ms - rep:.1f} | {ms / limit:.2f} |")
+        fused = cpu_layers.fused(model)
+        for n in (1, args.verify) if fused is not None else ():
+            cpu_layers.uninstall(model)  # the same kernels under transformers' own layer code
+            ms = median_ms(Step(model, kv, args.context, n, "argmax"), args.steps)
+            model.__dict__[cpu_layers._ATTR] = fused
+            rep = matmul_replay_ms(model, n, args.steps, with_head=True)
+            print(f"| {n} token{'s' if n > 1 else ''} | argmax, transformers' layers | {ms:.1f} | {rep:.1f} | "
+                  f"{ms - rep:.1f} | {ms / limit:.2f} |")
 
         if args.widths:
             width_table(model, kv, args.context, [int(w) for w in args.widths.split(",")], args.steps,
@@ -253,10 +261,15 @@ def main(argv=None) -> int:
         split = module_split(model, step, args.steps)
         layers = [v for k, v in split.items() if k.startswith("layer")]
         print(f"\nroot-only step by module (ms, hooks; step {ms:.1f}):")
-        print(f"  embedding {split['embedding']:.2f} | {len(layers)} layers {sum(layers):.1f} "
-              f"(each {min(layers):.2f}-{max(layers):.2f}) | final norm {split['final norm']:.2f} | "
-              f"LM head {split['LM head']:.1f} | outside the model (mask, KV bookkeeping, Python) "
-              f"{ms - sum(split.values()):.1f}")
+        if layers:
+            print(f"  embedding {split['embedding']:.2f} | {len(layers)} layers {sum(layers):.1f} "
+                  f"(each {min(layers):.2f}-{max(layers):.2f}) | final norm {split['final norm']:.2f} | "
+                  f"LM head {split['LM head']:.1f} | outside the model (mask, KV bookkeeping, Python) "
+                  f"{ms - sum(split.values()):.1f}")
+        else:  # fused layers: one C++ call each, no module hooks inside
+            print(f"  embedding {split['embedding']:.2f} | fused layers + outside the model (mask, rotary tables, KV "
+                  f"bookkeeping, Python) {ms - sum(split.values()):.1f} | final norm {split['final norm']:.2f} | "
+                  f"LM head {split['LM head']:.1f}")
 
         top, total = op_table(step, args.steps, args.top_ops)
         print(f"\nroot-only step by op (torch.profiler, self CPU ms per step; all ops {total:.1f} ms):")

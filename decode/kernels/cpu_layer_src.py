@@ -104,15 +104,16 @@ static torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& kbuf, c
 }
 
 // One Gemma 3 decoder layer for n new tokens of B rows: h bf16 [B, n, D] -> bf16 [B, n, D]. Writes the
-// new keys / values into kbuf / vbuf [B, Hkv, cap, hd] at entries L .. L + n. w: q, k, v, o, gate, up,
-// down weights (bf16 [O, K]); s: fp32 scales (1 + weight) of the input, q, k, post-attention,
-// pre-feedforward and post-feedforward norms; cos / sin: bf16 [B, n, hd]; mask: fp32 [B, n, L + n].
+// new keys / values into kbuf / vbuf [B, Hkv, cap, hd] at entries L .. L + n. w: the q, k and v weights
+// stacked ([(Hq + 2 Hkv) hd, D]: one pass over them), o, the gate and up weights stacked ([2 I, D]),
+// down (bf16 [O, K]); s: fp32 scales (1 + weight) of the input, q, k, post-attention, pre-feedforward
+// and post-feedforward norms; cos / sin: bf16 [B, n, hd]; mask: fp32 [B, n, L + n].
 torch::Tensor gemma3_layer(torch::Tensor h, std::vector<torch::Tensor> w, std::vector<torch::Tensor> s,
                            torch::Tensor kbuf, torch::Tensor vbuf, int64_t L, torch::Tensor cos,
                            torch::Tensor sin, torch::Tensor mask, int64_t Hq, int64_t Hkv, int64_t hd,
                            double eps, double scaling, int64_t chunk) {
     TORCH_CHECK(h.dtype() == torch::kBFloat16 && h.dim() == 3 && h.is_contiguous(), "h: contiguous bf16 [B, n, D]");
-    TORCH_CHECK(w.size() == 7 && s.size() == 6, "7 weights and 6 norm scales");
+    TORCH_CHECK(w.size() == 4 && s.size() == 6, "4 weights (qkv, o, gate-up, down) and 6 norm scales");
     TORCH_CHECK(hd % 8 == 0 && Hq % Hkv == 0, "head_dim a multiple of 8, query heads a multiple of KV heads");
     const int64_t B = h.size(0), n = h.size(1), D = h.size(2), M = B * n, T = L + n;
     TORCH_CHECK(kbuf.dtype() == torch::kBFloat16 && kbuf.is_contiguous() && vbuf.is_contiguous() &&
@@ -122,9 +123,10 @@ torch::Tensor gemma3_layer(torch::Tensor h, std::vector<torch::Tensor> w, std::v
                 "mask: contiguous fp32 [B, n, L + n]");
     auto h2 = h.view({M, D});
     auto x = rms_norm(h2, s[0], eps, false);
-    auto q = bf16_linear_bf16(x, w[0], chunk);
-    auto k = bf16_linear_bf16(x, w[1], chunk);
-    auto v = bf16_linear_bf16(x, w[2], chunk);
+    auto qkv = bf16_linear_bf16(x, w[0], chunk);  // [M, (Hq + 2 Hkv) hd]
+    auto q = qkv.narrow(1, 0, Hq * hd).contiguous();
+    auto k = qkv.narrow(1, Hq * hd, Hkv * hd).contiguous();
+    auto v = qkv.narrow(1, (Hq + Hkv) * hd, Hkv * hd).contiguous();
     q = rms_norm(q.view({M * Hq, hd}), s[1], eps, false).view({M, Hq * hd});
     k = rms_norm(k.view({M * Hkv, hd}), s[2], eps, false).view({M, Hkv * hd});
     auto cs = cos.reshape({M, hd}).contiguous(), sn = sin.reshape({M, hd}).contiguous();
@@ -140,16 +142,18 @@ torch::Tensor gemma3_layer(torch::Tensor h, std::vector<torch::Tensor> w, std::v
             std::memcpy(vd + at, vs + (m * Hkv + g) * hd, hd * 2);
         }
     auto att = attend(q, kbuf, vbuf, mask, n, T, Hq, Hkv, hd, float(scaling));
-    auto o = rms_norm(bf16_linear_bf16(att, w[3], chunk), s[3], eps, false);
+    auto o = rms_norm(bf16_linear_bf16(att, w[1], chunk), s[3], eps, false);
     auto h1 = add_bf16(h2, o);
     auto x2 = rms_norm(h1, s[4], eps, false);
-    auto gate = bf16_linear_bf16(x2, w[4], chunk);
-    auto up = bf16_linear_bf16(x2, w[5], chunk);
-    uint16_t* gp = wbits(gate);
-    const uint16_t* upp = bits(up);
-    for (int64_t i = 0; i < gate.numel(); ++i)
-        gp[i] = norm_round(to_bf16(gelu_tanh(norm_widen(gp[i]))) * norm_widen(upp[i]));
-    auto f = rms_norm(bf16_linear_bf16(gate, w[6], chunk), s[5], eps, false);
+    auto gu = bf16_linear_bf16(x2, w[2], chunk);  // [M, 2 I]: gate | up
+    const int64_t I = gu.size(1) / 2;
+    auto act = torch::empty({M, I}, h.options());
+    uint16_t* ap = wbits(act);
+    const uint16_t* gup = bits(gu);
+    for (int64_t m = 0; m < M; ++m)
+        for (int64_t i = 0; i < I; ++i)
+            ap[m * I + i] = norm_round(to_bf16(gelu_tanh(norm_widen(gup[m * 2 * I + i]))) * norm_widen(gup[m * 2 * I + I + i]));
+    auto f = rms_norm(bf16_linear_bf16(act, w[3], chunk), s[5], eps, false);
     return add_bf16(h1, f).view({B, n, D});
 }
 """

@@ -25,6 +25,7 @@ extension; not measurable on this machine), training (no autograd).
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor, nn
 
 from drafttrain.textconfig import text_config
@@ -48,9 +49,19 @@ class FusedGemma3:
         self.weights = []
         for layer in self.body.layers:
             a, mlp = layer.self_attn, layer.mlp
-            self.weights.append([m.weight for m in (a.q_proj, a.k_proj, a.v_proj, a.o_proj,
-                                                    mlp.gate_proj, mlp.up_proj, mlp.down_proj)])
+            self.weights.append([_stack(a.q_proj, a.k_proj, a.v_proj), a.o_proj.weight,
+                                 _stack(mlp.gate_proj, mlp.up_proj), mlp.down_proj.weight])
         self.norms = norms  # per layer: the installed `_Norm`s of input, q, k, post-attn, pre-ff, post-ff
+        self._norm_weights = [nm.module.weight for per_layer in norms for nm in per_layer]
+        self._versions, self._scales = None, None
+
+    def scales(self) -> list[list[Tensor]]:
+        """The norms' fp32 scales, cast again only when a norm weight changed (its version moved)."""
+        versions = [w._version for w in self._norm_weights]
+        if versions != self._versions:
+            self._scales = [[nm.scale() for nm in per_layer] for per_layer in self.norms]
+            self._versions = versions
+        return self._scales
 
     def forward(self, input_ids: Tensor, positions: Tensor, masks: Tensor | dict[str, Tensor],
                 cache) -> tuple[Tensor, list[Tensor]]:
@@ -70,11 +81,11 @@ class FusedGemma3:
         while len(cache.layers) < len(self.weights):  # a cache nothing was fed to yet
             cache.layers.append(cache.layer_class_to_replicate())
         states = [h]
-        for i, (w, norms) in enumerate(zip(self.weights, self.norms)):
+        for i, (w, scales) in enumerate(zip(self.weights, self.scales())):
             layer, kind = cache.layers[i], self.types[i]
             kbuf, vbuf, L = layer.reserve((B, self.hkv), n, self.hd, h.dtype, h.device)
             cos, sin = rope[kind]
-            h = self.ext.gemma3_layer(h.contiguous(), w, [nm.scale() for nm in norms], kbuf, vbuf, L,
+            h = self.ext.gemma3_layer(h.contiguous(), w, scales, kbuf, vbuf, L,
                                       cos.contiguous(), sin.contiguous(), flat[kind], self.hq, self.hkv,
                                       self.hd, self.eps, self.scaling, MAX_ROWS)
             layer.advance(n)
@@ -82,6 +93,18 @@ class FusedGemma3:
         out = self.body.norm(h)
         states[-1] = out
         return out, states
+
+
+def _stack(*linears: nn.Linear) -> Tensor:
+    """The linears' weights stacked by rows into one tensor (one pass of the kernel over all of them),
+    each linear's weight becoming a view of its rows (no second copy in memory)."""
+    stacked = torch.cat([m.weight.data for m in linears])
+    at = 0
+    for m in linears:
+        rows = m.weight.shape[0]
+        m.weight.data = stacked[at: at + rows]
+        at += rows
+    return stacked
 
 
 def fused(model: nn.Module) -> FusedGemma3 | None:
