@@ -78,10 +78,12 @@ class FusedGemma3:
         if not isinstance(masks, dict):
             masks = {t: masks for t in set(self.types)}
         flat = {t: m[:, 0].float().contiguous() for t, m in masks.items()}  # [B, n, L + n]
-        while len(cache.layers) < len(self.weights):  # a cache nothing was fed to yet
+        while len(cache.layers) < min(len(self.body.layers), len(self.weights)):  # nothing fed to them yet
             cache.layers.append(cache.layer_class_to_replicate())
         states = [h]
-        for i, (w, scales) in enumerate(zip(self.weights, self.scales())):
+        # as transformers' loop: the layers the body holds now (`kv.truncated_layers` shortens it)
+        count = min(len(self.body.layers), len(self.weights))
+        for i, (w, scales) in enumerate(zip(self.weights[:count], self.scales()[:count])):
             layer, kind = cache.layers[i], self.types[i]
             kbuf, vbuf, L = layer.reserve((B, self.hkv), n, self.hd, h.dtype, h.device)
             cos, sin = rope[kind]

@@ -51,8 +51,9 @@ holds), each compiled once per machine by `torch.utils.cpp_extension` into its c
 `install(model, backend)` routes every bf16 `nn.Linear` of an inference model through a kernel for
 inputs in its row range (larger inputs, prefill included, keep PyTorch's matmul), and every RMS
 norm whose formula the norm kernel reproduces (one C++ call instead of ~8 ops and 3 casts; the 109
-norms of a Gemma 3 270M step cost 2.7 ms through PyTorch on session 15's Zen 4);
-`uninstall(model)` undoes it. The decoder's callers (`drafttrain eval`, the bench scripts) install
+norms of a Gemma 3 270M step cost 2.7 ms through PyTorch on session 15's Zen 4); on the avx2
+kernel it also attaches one-C++-call-per-layer decode steps to Gemma 3 models (`cpu_layers`; its q/k/v
+and gate/up weights become views of stacked tensors). `uninstall(model)` undoes the routing. The decoder's callers (`drafttrain eval`, the bench scripts) install
 it for bf16 targets on CPU as `linear_backend=auto` resolves, or when asked.
 
 Numerics: fp32 accumulation of exact products (a bf16 × bf16 product is exact in fp32), in another

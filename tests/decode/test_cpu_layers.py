@@ -12,7 +12,7 @@ from test_cpu_linear import assert_same_up_to_near_ties  # tests/decode is on sy
 
 from drafttrain.decode import speculative_generate
 from drafttrain.decode.kernels import cpu_layers, cpu_linear
-from drafttrain.decode.kv import KVState, target_forward
+from drafttrain.decode.kv import KVState, target_forward, truncated_layers
 from drafttrain.testing import tiny_target
 
 pytestmark = pytest.mark.skipif(not cpu_linear.available("avx2"), reason="needs an x86 CPU with AVX2/FMA and g++")
@@ -91,6 +91,24 @@ def test_a_fused_step_gives_transformers_logits_and_hidden_states():
     assert _ulps(logits, ref_logits) <= 4
     assert _ulps(after, ref_after) <= 4
     assert (logits.argmax(-1) == ref_logits.argmax(-1)).float().mean() >= 0.9
+
+
+def test_a_truncated_model_runs_only_its_first_layers_through_the_fused_path():
+    # early-exit drafting runs the target's first K layers (`truncated_layers`) over its cache
+    target = _bf16_gemma()
+    ids = torch.randint(3, 1031, (1, 7), generator=torch.Generator().manual_seed(4))
+    col = torch.arange(7)[None]
+    got = {}
+    for fused in (True, False):
+        saved = cpu_layers.fused(target)
+        if not fused:
+            cpu_layers.uninstall(target)
+        kv = KVState.for_model(target, 1, torch.device("cpu"))
+        with torch.inference_mode(), truncated_layers(target, 2):
+            got[fused] = target_forward(target, kv, ids, col, col - 1)[0]
+        target.__dict__[cpu_layers._ATTR] = saved
+        assert len([la for la in kv.cache.layers if la.keys is not None and la.keys.shape[2]]) == 2
+    assert _ulps(got[True], got[False]) <= 4
 
 
 def test_greedy_decoding_through_the_fused_layers_matches_transformers_forward():
