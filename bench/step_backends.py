@@ -14,7 +14,8 @@ median of --steps, the same prompt and context for all):
 - ``inductor`` / ``zentorch``: the gpt-fast recipe — a hand-written Gemma 3 step over a static,
   preallocated KV cache (fixed shapes: context padded to --static-len, masked) compiled once by
   `torch.compile` with that back end (compile time printed), linears through PyTorch's matmul so
-  the back end may replace them (zentorch swaps in ZenDNN kernels where the CPU has AVX-512);
+  the back end may replace them (zentorch swaps in ZenDNN kernels where the CPU has AVX-512), bf16
+  intermediates rounded as eager rounds them (`emulate_precision_casts`);
 - ``inductor+kernels``: the same compiled step with the AVX2 kernel as an opaque custom op.
 
 A back end that is not installed or not supported prints one line saying so and the row is skipped.
@@ -192,6 +193,11 @@ def main(argv=None) -> int:
                 print(f"inductor+kernels: needs the avx2 kernel (this CPU resolves {kernel}); skipped")
                 continue
             linear = kernel_op("avx2") if name == "inductor+kernels" else F.linear
+            # round every bf16 intermediate as eager does: without it inductor fuses bf16 chains in
+            # fp32 and Gemma 3 270M's greedy token moves (session 23: token 541 instead of 236820)
+            import torch._inductor.config as inductor_config
+
+            inductor_config.emulate_precision_casts = True
             with cpu_linear.paused(model):
                 fn, fargs = static_step(model, ids, args.static_len, linear)
                 t = time.perf_counter()
