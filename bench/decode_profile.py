@@ -234,9 +234,8 @@ def main(argv=None) -> int:
                 print(f"| {n} token{'s' if n > 1 else ''} | {head} | {ms:.1f} | {rep:.1f} | {ms - rep:.1f} | {ms / limit:.2f} |")
         fused = cpu_layers.fused(model)
         for n in (1, args.verify) if fused is not None else ():
-            cpu_layers.uninstall(model)  # the same kernels under transformers' own layer code
-            ms = median_ms(Step(model, kv, args.context, n, "argmax"), args.steps)
-            model.__dict__[cpu_layers._ATTR] = fused
+            with cpu_layers.detached(model):  # the same kernels under transformers' own layer code
+                ms = median_ms(Step(model, kv, args.context, n, "argmax"), args.steps)
             rep = matmul_replay_ms(model, n, args.steps, with_head=True)
             print(f"| {n} token{'s' if n > 1 else ''} | argmax, transformers' layers | {ms:.1f} | {rep:.1f} | "
                   f"{ms - rep:.1f} | {ms / limit:.2f} |")

@@ -167,12 +167,10 @@ def main(argv=None) -> int:
             cpu_linear.install(model, kernel)
             fused = cpu_layers.fused(model)
             if "kernels" in wanted:
-                cpu_layers.uninstall(model)
-                step = engine_step(model, ids)
-                ref = step()
-                rows.append((f"transformers + {kernel} kernels", median_ms(step, args.steps), ""))
-                if fused is not None:
-                    model.__dict__[cpu_layers._ATTR] = fused
+                with cpu_layers.detached(model):
+                    step = engine_step(model, ids)
+                    ref = step()
+                    rows.append((f"transformers + {kernel} kernels", median_ms(step, args.steps), ""))
             if "fused" in wanted:
                 if fused is None:
                     print(f"fused: no fused layers for the {kernel} kernel; skipped")

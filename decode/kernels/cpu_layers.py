@@ -25,12 +25,14 @@ extension; not measurable on this machine), training (no autograd).
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 from torch import Tensor, nn
 
 from drafttrain.textconfig import text_config
 
-__all__ = ["FusedGemma3", "MAX_ROWS", "fused", "install", "uninstall"]
+__all__ = ["FusedGemma3", "MAX_ROWS", "detached", "fused", "install", "uninstall"]
 
 #: decode-step inputs (batch rows x tokens fed) served; larger (prefill) run through transformers
 MAX_ROWS = 64
@@ -151,3 +153,15 @@ def install(model: nn.Module, backend: str, ext) -> bool:
 def uninstall(model: nn.Module) -> None:
     """Detaches the fused layers (the model's own forward serves every step again)."""
     model.__dict__.pop(_ATTR, None)
+
+
+@contextmanager
+def detached(model: nn.Module):
+    """transformers' forward for every decode step of the block (the kernels stay routed); the fused
+    layers come back after it, as they were."""
+    layers = vars(model).pop(_ATTR, None)
+    try:
+        yield
+    finally:
+        if layers is not None:
+            model.__dict__[_ATTR] = layers

@@ -413,17 +413,14 @@ def routed_norms(model: nn.Module) -> int:
 def paused(model: nn.Module):
     """PyTorch's forward on every module `install` changed, for the duration of the block."""
     saved = [(m, vars(m)["forward"]) for m in model.modules() if is_installed(m)]
-    layers = cpu_layers.fused(model)
     for m, _ in saved:
         del m.forward
-    cpu_layers.uninstall(model)
     try:
-        yield
+        with cpu_layers.detached(model):
+            yield
     finally:
         for m, fwd in saved:
             m.forward = fwd
-        if layers is not None:
-            model.__dict__[cpu_layers._ATTR] = layers
 
 
 def uninstall(model: nn.Module) -> None:

@@ -6,6 +6,8 @@ greedy decoding through it matches PyTorch's up to bf16 near-ties.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import pytest
 import torch
 from test_cpu_linear import assert_same_up_to_near_ties  # tests/decode is on sys.path (no __init__)
@@ -33,10 +35,7 @@ def _ulps(got: torch.Tensor, want: torch.Tensor) -> float:
 def _steps(target, fused: bool):
     """Prefill two left-padded prompts, commit, then verify a branching tree crossing the sliding
     window (8); returns (tree logits, hidden states, the next step's logits after a ragged commit)."""
-    saved = cpu_layers.fused(target)
-    if not fused:
-        cpu_layers.uninstall(target)
-    try:
+    with cpu_layers.detached(target) if not fused else nullcontext():
         gen = torch.Generator().manual_seed(5)
         B, P = 2, 11
         ids = torch.randint(3, 1031, (B, P), generator=gen)
@@ -59,9 +58,6 @@ def _steps(target, fused: bool):
             npos = torch.stack([tpos[0, 3] + 1, tpos[1, 2] + 1])[:, None]
             after, _ = target_forward(target, kv, nxt, npos, torch.tensor([[-1], [-1]]))
         return logits, hidden, after
-    finally:
-        if saved is not None:
-            target.__dict__[cpu_layers._ATTR] = saved
 
 
 def test_gemma3_models_get_the_fused_layers_and_others_do_not():
@@ -100,13 +96,10 @@ def test_a_truncated_model_runs_only_its_first_layers_through_the_fused_path():
     col = torch.arange(7)[None]
     got = {}
     for fused in (True, False):
-        saved = cpu_layers.fused(target)
-        if not fused:
-            cpu_layers.uninstall(target)
         kv = KVState.for_model(target, 1, torch.device("cpu"))
-        with torch.inference_mode(), truncated_layers(target, 2):
+        with (torch.inference_mode(), truncated_layers(target, 2),
+              cpu_layers.detached(target) if not fused else nullcontext()):
             got[fused] = target_forward(target, kv, ids, col, col - 1)[0]
-        target.__dict__[cpu_layers._ATTR] = saved
         assert len([la for la in kv.cache.layers if la.keys is not None and la.keys.shape[2]]) == 2
     assert _ulps(got[True], got[False]) <= 4
 
@@ -115,8 +108,6 @@ def test_greedy_decoding_through_the_fused_layers_matches_transformers_forward()
     target = _bf16_gemma()
     ids = torch.randint(3, 1031, (2, 9), generator=torch.Generator().manual_seed(3))
     fused = speculative_generate(target, None, ids, max_new_tokens=24, eos_token_id=-1)
-    saved = cpu_layers.fused(target)
-    cpu_layers.uninstall(target)
-    plain = speculative_generate(target, None, ids, max_new_tokens=24, eos_token_id=-1)
-    target.__dict__[cpu_layers._ATTR] = saved
+    with cpu_layers.detached(target):
+        plain = speculative_generate(target, None, ids, max_new_tokens=24, eos_token_id=-1)
     assert_same_up_to_near_ties(target, ids, fused.sequences, plain.sequences)
