@@ -26,9 +26,10 @@ holds), each compiled once per machine by `torch.utils.cpp_extension` into its c
   two-row tiles, then 13.2 + 16.9 (PyTorch 16.6 + 24.7) with a one-row path of four weight rows per
   tile and a prefetch 16 rows ahead, 2 rows 18.6 + 26.7 vs
   28.5 + 45.1, 16 rows 44.0 + 62.1 vs 211.8 + 356.8; a 16 × 30-token prefill took 7.1 s through
-  PyTorch's bf16 matmul, which is compute-bound on AVX2 at every width. Session 24: one weight row at a time
-  (`gemv_row`: four accumulators, the row four ahead prefetched) keeps each thread's read one
-  sequential stream: LM head 15.9 → 12.6 ms, the layers' matmuls 9.2 → 8.1 ms (cold weights). On the AVX-512
+  PyTorch's bf16 matmul, which is compute-bound on AVX2 at every width. Session 24: up to 5 rows against one weight row at
+  a time (`row_tile`: the row four ahead prefetched) keeps each thread's read one sequential
+  stream; `bench/linear_kernels.py` layers + LM head: 1 row 25.6 → 22.9 ms, 2 rows 30.8 → 23.2,
+  3: 30.6 → 22.7, 4: 30.4 → 24.4, 5: 31.5 → 28.5 (6 and more stay on weight pairs). On the AVX-512
   bf16 AMD EPYC of session 9 it was slower than PyTorch's native kernels (22.7 vs 22.2 ms for 1
   row, 24.9 vs 18.2 for 5), so `auto` uses it only on CPUs without AVX-512 bf16 / AMX.
 - ``avx512``: ``vdpbf16ps`` (pairs of bf16 products summed into fp32 lanes, 32 weights per

@@ -1,8 +1,8 @@
 """C++ source of the AVX2 bf16 linear kernel (`cpu_linear`'s "avx2" backend), for CPUs without AVX-512 bf16.
 
-``AVX2_SOURCE``: bf16 weights widened to fp32 in registers and fp32 FMAs; one row of x one
-weight row at a time with a prefetch (`gemv_row`), 2-64 rows through tiles of up to six rows of x
-over a weight pair with a prefetch, the fused bf16-in / bf16-out call that `cpu_linear._Forward` uses,
+``AVX2_SOURCE``: bf16 weights widened to fp32 in registers and fp32 FMAs; up to 5 rows of x
+against one weight row at a time with a prefetch (`row_tile`), 6-64 rows through tiles of up to
+six rows of x over a weight pair with a prefetch, the fused bf16-in / bf16-out call that `cpu_linear._Forward` uses,
 and the greedy head's argmax of bf16-rounded logits; ``AVX2_BINDINGS``, its Python bindings. Compiled
 after `cpu_linear_src.NORM_SOURCE` (whose `norm_widen` / `norm_round` it uses) and before
 `cpu_layer_src.LAYER_SOURCE` (one Gemma 3 layer per call, built on these kernels). `cpu_linear`'s docstring gives the numbers and the routing.
@@ -72,40 +72,68 @@ static inline void tile(const float* x, const uint16_t* w, float* y, int64_t K, 
     }
 }
 
-// One row of x (target-only decoding): one weight row at a time, read front to back with four
-// accumulators (32 weights per step, one 64-byte line), and the row four ahead prefetched a line per
-// step. Each thread then reads its share of the weights as one sequential stream, which this machine's
-// prefetchers follow best (session 24, Zen 2, LM head 262,144 x 640 cold: 15.9 ms over four-row tiles
-// with a 16-row prefetch, 12.6 ms this way; the 18 layers' matmuls 9.2 -> 8.1 ms).
-static inline void gemv_row(const float* x, const uint16_t* w, float* y, int64_t K, int64_t o, bool prefetch) {
-    __m256 acc[4];
-    for (int a = 0; a < 4; ++a) acc[a] = _mm256_setzero_ps();
+// Rows m0 .. m0 + MT of x against ONE weight row o, read front to back with A accumulators per row of
+// x (8 A weights per step) and the row four ahead prefetched a 64-byte line at a time. Each thread
+// then reads its share of the weights as one sequential stream, which this machine's prefetchers follow
+// best, and MT x A independent sums hide the FMA latency (session 24, Zen 2, LM head 262,144 x 640
+// cold, 2 threads: 1 row 15.9 ms over four-row tiles with a 16-row prefetch -> 12.6 ms; 2 / 3 / 5 rows
+// 15.7 / 15.0 / 15.3 ms over the weight-pair tiles -> 11.3 / 10.9 / 12.8; `bench/linear_kernels.py`,
+// the 126 layer matmuls + LM head: 2 rows 30.8 -> 24.0 ms, 3: 30.6 -> 24.4, 4: 30.4 -> 26.8).
+template <int MT, int A>
+static inline void row_tile(const float* x, const uint16_t* w, float* y, int64_t K, int64_t O, int64_t o,
+                            int64_t m0, bool prefetch) {
+    __m256 acc[MT][A];
+    for (int m = 0; m < MT; ++m)
+        for (int a = 0; a < A; ++a) acc[m][a] = _mm256_setzero_ps();
     const uint16_t* row = w + o * K;
     const uint16_t* pf = w + (o + 4) * K;
+    const float* xm = x + m0 * K;
     int64_t k = 0;
-    for (; k + 32 <= K; k += 32) {
-        if (prefetch) _mm_prefetch(reinterpret_cast<const char*>(pf + k), _MM_HINT_T0);
-        for (int a = 0; a < 4; ++a)
-            acc[a] = _mm256_fmadd_ps(load_bf16x8(row + k + 8 * a), _mm256_loadu_ps(x + k + 8 * a), acc[a]);
+    for (; k + 8 * A <= K; k += 8 * A) {
+        if (prefetch)
+            for (int a = 0; a < A; a += 4) _mm_prefetch(reinterpret_cast<const char*>(pf + k + 8 * a), _MM_HINT_T0);
+        for (int a = 0; a < A; ++a) {
+            const __m256 wv = load_bf16x8(row + k + 8 * a);
+            for (int m = 0; m < MT; ++m)
+                acc[m][a] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(xm + m * K + k + 8 * a), acc[m][a]);
+        }
     }
-    for (; k + 8 <= K; k += 8) acc[0] = _mm256_fmadd_ps(load_bf16x8(row + k), _mm256_loadu_ps(x + k), acc[0]);
-    float s = hsum(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
-    for (; k < K; ++k) s += bf16_to_f32(row[k]) * x[k];
-    y[o] = s;
+    for (; k + 8 <= K; k += 8) {
+        const __m256 wv = load_bf16x8(row + k);
+        for (int m = 0; m < MT; ++m) acc[m][0] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(xm + m * K + k), acc[m][0]);
+    }
+    for (int m = 0; m < MT; ++m) {
+        __m256 v = acc[m][0];
+        for (int a = 1; a < A; ++a) v = _mm256_add_ps(v, acc[m][a]);
+        float s = hsum(v);
+        for (int64_t kk = k; kk < K; ++kk) s += bf16_to_f32(row[kk]) * xm[m * K + kk];
+        y[(m0 + m) * O + o] = s;
+    }
 }
 
 // y [M, O] = x [M, K] @ w^T for fp32 x, bf16 w (fp32 sums).
 static void linear_core(const float* xp, const uint16_t* wp, float* yp, int64_t M, int64_t K, int64_t O) {
-    if (M == 1) {
+    if (M <= 5) {  // memory-bound widths: one weight row at a time (`row_tile`)
         at::parallel_for(0, O, 128, [&](int64_t begin, int64_t end) {
-            for (int64_t o = begin; o < end; ++o) gemv_row(xp, wp, yp, K, o, o + 4 < end);
+            for (int64_t o = begin; o < end; ++o) {
+                const bool pf = o + 4 < end;
+                switch (M) {
+                    case 1: row_tile<1, 4>(xp, wp, yp, K, O, o, 0, pf); break;
+                    case 2: row_tile<2, 2>(xp, wp, yp, K, O, o, 0, pf); break;
+                    case 3: row_tile<3, 2>(xp, wp, yp, K, O, o, 0, pf); break;
+                    case 4: row_tile<4, 2>(xp, wp, yp, K, O, o, 0, pf); break;
+                    case 5: row_tile<5, 2>(xp, wp, yp, K, O, o, 0, pf); break;
+                    default: break;
+                }
+            }
         });
         return;
     }
+    // 6 rows and more (compute-bound on AVX2: 6 rows 33.9 ms for the layers + LM head over weight pairs,
+    // 35.5 over single weight rows, 40.6 as 4 + 2; 16 rows' LM head 43 vs 55-64): weight pairs, so
+    // each load of x feeds two FMAs; up to 6 rows of x in one tile, beyond that fours and one tile of
+    // 2..5 for the rest.
     const int64_t pairs = (O + 1) / 2;
-    // Rows of x per tile: up to 6 in one tile (2 x 6 accumulators + 2 weight + 1 x register = 15 of
-    // the 16 ymm registers), so the weights are widened from bf16 once per step; beyond 6, fours and
-    // one tile for the rest. (Tiles of 4, 2, 1 widened them twice for 3 rows: 3 rows cost as much as 4.)
     const int64_t head = M <= 6 ? 0 : M - (M % 4 < 2 ? M % 4 + 4 : M % 4);  // rows in tiles of 4; 2..5 left
     at::parallel_for(0, pairs, 64, [&](int64_t begin, int64_t end) {
         for (int64_t p = begin; p < end; ++p) {
