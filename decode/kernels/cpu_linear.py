@@ -28,8 +28,9 @@ holds), each compiled once per machine by `torch.utils.cpp_extension` into its c
   28.5 + 45.1, 16 rows 44.0 + 62.1 vs 211.8 + 356.8; a 16 × 30-token prefill took 7.1 s through
   PyTorch's bf16 matmul, which is compute-bound on AVX2 at every width. Session 24: up to 5 rows against one weight row at
   a time (`row_tile`: the row four ahead prefetched) keeps each thread's read one sequential
-  stream; `bench/linear_kernels.py` layers + LM head: 1 row 25.6 → 22.9 ms, 2 rows 30.8 → 23.2,
-  3: 30.6 → 22.7, 4: 30.4 → 24.4, 5: 31.5 → 28.5 (6 and more stay on weight pairs). On the AVX-512
+  stream: 1 row's LM head 15.9 → 12.6 ms (cold weights, interleaved); `bench/linear_kernels.py`
+  layers + LM head, 2 rows 30.8 → 23.2 ms, 3: 30.6 → 22.7, 4: 30.4 → 24.4, 5: 31.5 → 28.5 (6 and
+  more stay on weight pairs). On the AVX-512
   bf16 AMD EPYC of session 9 it was slower than PyTorch's native kernels (22.7 vs 22.2 ms for 1
   row, 24.9 vs 18.2 for 5), so `auto` uses it only on CPUs without AVX-512 bf16 / AMX.
 - ``avx512``: ``vdpbf16ps`` (pairs of bf16 products summed into fp32 lanes, 32 weights per
