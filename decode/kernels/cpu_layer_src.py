@@ -79,9 +79,20 @@ static torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& kbuf, c
             const float* mr = mp + (b * n + j) * T;
             float mx = -INFINITY;
             for (int64_t t = 0; t < T; ++t) {
-                __m256 s = _mm256_setzero_ps();
-                for (int64_t d = 0; d < hd; d += 8)
+                // four partial sums (hd a multiple of 32) or one: q.k is a chain of hd / 8 FMAs, and
+                // one accumulator made it wait on the FMA latency at every key
+                __m256 s = _mm256_setzero_ps(), s1 = s, s2 = s, s3 = s;
+                int64_t d = 0;
+                for (; d + 32 <= hd; d += 32) {
+                    const uint16_t* kr = kb + t * hd + d;
+                    s = _mm256_fmadd_ps(_mm256_loadu_ps(qf.data() + d), load_bf16x8(kr), s);
+                    s1 = _mm256_fmadd_ps(_mm256_loadu_ps(qf.data() + d + 8), load_bf16x8(kr + 8), s1);
+                    s2 = _mm256_fmadd_ps(_mm256_loadu_ps(qf.data() + d + 16), load_bf16x8(kr + 16), s2);
+                    s3 = _mm256_fmadd_ps(_mm256_loadu_ps(qf.data() + d + 24), load_bf16x8(kr + 24), s3);
+                }
+                for (; d < hd; d += 8)
                     s = _mm256_fmadd_ps(_mm256_loadu_ps(qf.data() + d), load_bf16x8(kb + t * hd + d), s);
+                s = _mm256_add_ps(_mm256_add_ps(s, s1), _mm256_add_ps(s2, s3));
                 score[t] = hsum(s) * scaling + mr[t];
                 mx = std::max(mx, score[t]);
             }
@@ -150,9 +161,12 @@ torch::Tensor gemma3_layer(torch::Tensor h, std::vector<torch::Tensor> w, std::v
     auto act = torch::empty({M, I}, h.options());
     uint16_t* ap = wbits(act);
     const uint16_t* gup = bits(gu);
-    for (int64_t m = 0; m < M; ++m)
-        for (int64_t i = 0; i < I; ++i)
-            ap[m * I + i] = norm_round(to_bf16(gelu_tanh(norm_widen(gup[m * 2 * I + i]))) * norm_widen(gup[m * 2 * I + I + i]));
+    at::parallel_for(0, M * I, 2048, [&](int64_t begin, int64_t end) {  // ~30 ns a tanh: both cores
+        for (int64_t e = begin; e < end; ++e) {
+            const int64_t m = e / I, i = e % I;
+            ap[e] = norm_round(to_bf16(gelu_tanh(norm_widen(gup[m * 2 * I + i]))) * norm_widen(gup[m * 2 * I + I + i]));
+        }
+    });
     auto f = rms_norm(bf16_linear_bf16(act, w[3], chunk), s[5], eps, false);
     return add_bf16(h1, f).view({B, n, D});
 }
