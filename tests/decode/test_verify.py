@@ -455,7 +455,12 @@ def test_counter_uniform_numpy_path_gives_the_torch_paths_bits():
     """CPU keys are hashed in NumPy (cheap for the few keys a decode step needs), other devices in
     torch: the two must give the same draws, or a seeded decode would change with the device.
     Seeds over the whole signed int64 range, positions past 2^32, every stream, broadcast shapes."""
-    from drafttrain.decode.sampling import STREAM_DRAFT, _counter_uniform_np, _counter_uniform_torch
+    from drafttrain.decode.sampling import (
+        STREAM_DRAFT,
+        _counter_uniform_np,
+        _counter_uniform_py,
+        _counter_uniform_torch,
+    )
 
     g = torch.Generator().manual_seed(0)
     for B, N in ((1, 1), (3, 7), (16, 1), (5, 33)):
@@ -466,11 +471,13 @@ def test_counter_uniform_numpy_path_gives_the_torch_paths_bits():
             for stream in (STREAM_ACCEPT, STREAM_EMIT, STREAM_DRAFT):
                 a = _counter_uniform_np(seed, pos, cnt, stream)
                 b = _counter_uniform_torch(seed, pos, cnt, stream)
-                assert a.shape == b.shape == (B, N) and a.dtype == b.dtype == torch.float64
-                assert torch.equal(a, b)
+                c = _counter_uniform_py(seed, pos, cnt, stream)  # the few keys of a batch-1 step
+                assert a.shape == b.shape == c.shape == (B, N) and a.dtype == b.dtype == c.dtype == torch.float64
+                assert torch.equal(a, b) and torch.equal(c, b)
     zero_d = (torch.tensor(9), torch.tensor(3))
     assert torch.equal(_counter_uniform_np(5, *zero_d, STREAM_EMIT), _counter_uniform_torch(5, *zero_d, STREAM_EMIT))
-    assert _counter_uniform_np(5, *zero_d, STREAM_EMIT).shape == ()
+    assert torch.equal(_counter_uniform_py(5, *zero_d, STREAM_EMIT), _counter_uniform_torch(5, *zero_d, STREAM_EMIT))
+    assert _counter_uniform_np(5, *zero_d, STREAM_EMIT).shape == _counter_uniform_py(5, *zero_d, STREAM_EMIT).shape == ()
 
 
 def test_counter_exponentials_are_keyed_per_row_and_exp1():
@@ -535,6 +542,26 @@ def test_keyed_emit_draw_follows_the_residual_law():
         freq = torch.bincount(res.next_token[mask], minlength=V).double() / m
         sd = (law.double() * (1 - law.double()) / m).sqrt()
         assert ((freq - law.double()).abs() <= 6 * sd + 1e-12).all(), (freq, law)
+
+
+@pytest.mark.parametrize("block", [1, 3, 1024])
+def test_inverse_cdf_of_one_row_picks_what_the_batched_search_picks(block):
+    """A single CPU row takes a Python search (batch-1 decoding's draws): it must give the
+    batched path's index for every row, uniform and block size, edges included (u = 0, the
+    largest u below 1, zero-weight blocks and tails, a vocabulary not a multiple of the block)."""
+    from drafttrain.decode.sampling import inverse_cdf
+
+    g = torch.Generator().manual_seed(block)
+    w = torch.rand(64, 3001, generator=g) ** 8
+    w[:, 2000:] = 0.0  # trailing zero blocks
+    w[::3, :700] = 0.0  # leading ones
+    u = torch.rand(64, generator=g, dtype=torch.float64)
+    u[:4] = torch.tensor([0.0, 1 - 2.0 ** -53, 0.5, 1e-300], dtype=torch.float64)
+    batched = inverse_cdf(w, u, block=block)
+    alone = torch.stack([inverse_cdf(w[i:i + 1], u[i:i + 1], block=block)[0] for i in range(64)])
+    assert torch.equal(alone, batched)
+    assert (w.gather(1, alone[:, None]) > 0).all()
+    assert inverse_cdf(w[0], u[0], block=block).shape == ()  # an unbatched row gives a 0-d index
 
 
 @pytest.mark.parametrize("block", [1, 3, 1024])
