@@ -269,6 +269,18 @@ def _identity(target: nn.Module) -> dict:
             "linear": installed_backend(target)}
 
 
+def _decoder_source_hash() -> str:
+    """Hash of the decoder's Python sources (this package: sampling, verification, proposers, the
+    engine): a cost measured before a change to any of them (session 24 made the keyed draws
+    cheaper) would misinform the adaptive scheduler until someone deleted the cache."""
+    root = Path(__file__).resolve().parent
+    h = hashlib.sha256()
+    for f in sorted(root.rglob("*.py")):
+        h.update(f.relative_to(root).as_posix().encode())
+        h.update(f.read_bytes())
+    return h.hexdigest()[:16]
+
+
 def _cache_file(identity: dict, cache_dir: str | Path) -> Path:
     keyed = {k: identity[k] for k in ("config_hash", "params", "dtype", "device", "threads", "torch")}
     if identity.get("linear", "aten") != "aten":  # a kernel changes every step's cost (aten: the old key)
@@ -279,6 +291,7 @@ def _cache_file(identity: dict, cache_dir: str | Path) -> Path:
             keyed["rows"] = "1+"  # session 21: one row and prefill through the AVX2 kernel too (was 2-64)
         if identity["linear"] in KERNELS:  # session 22: any change to the kernel's source re-measures
             keyed["kernel_source"] = hashlib.sha256(KERNELS[identity["linear"]].source.encode()).hexdigest()[:16]
+    keyed["decoder_source"] = _decoder_source_hash()  # session 24: so does any change to the decoder's code
     digest = hashlib.sha256(json.dumps(keyed, sort_keys=True).encode()).hexdigest()[:16]
     return Path(cache_dir).expanduser() / f"{identity['model_type']}-{digest}.json"
 

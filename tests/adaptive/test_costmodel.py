@@ -126,9 +126,9 @@ def test_cost_model_cache_follows_drafttrain_cache(monkeypatch, tmp_path):
     assert default_cache_dir() == Path("~/.cache/drafttrain/costs").expanduser()
 
 
-def test_a_linear_kernel_gets_its_own_cost_model_cache_file():
+def test_a_linear_kernel_gets_its_own_cost_model_cache_file(monkeypatch):
     # the kernel changes every step's cost, so a cost model measured with PyTorch's matmul must not
-    # answer for a target routed through a kernel (and the aten key stays what older caches used)
+    # answer for a target routed through a kernel; nor one measured before the decoder's code changed
     import torch
 
     from drafttrain.decode.kernels import cpu_linear
@@ -143,8 +143,11 @@ def test_a_linear_kernel_gets_its_own_cost_model_cache_file():
     routed = costmodel_module._identity(target)
     assert routed["linear"] == runnable[0]
     assert costmodel_module._cache_file(routed, "c") != costmodel_module._cache_file(plain, "c")
-    old_key = {k: plain[k] for k in ("config_hash", "params", "dtype", "device", "threads", "torch", "model_type")}
-    assert costmodel_module._cache_file(old_key, "c") == costmodel_module._cache_file(plain, "c")
+    before = costmodel_module._cache_file(plain, "c")
+    with monkeypatch.context() as m:  # an edited sampler / verifier / proposer re-measures too
+        m.setattr(costmodel_module, "_decoder_source_hash", lambda: "edited")
+        assert costmodel_module._cache_file(plain, "c") != before
+    assert costmodel_module._cache_file(plain, "c") == before
     kernel = cpu_linear.KERNELS[runnable[0]]
     source = kernel.source
     try:  # an edited kernel (a new tile, a prefetch) re-measures instead of reading stale costs
