@@ -1,4 +1,5 @@
-"""C++ source of one whole Gemma 3 decoder layer per call, for decode steps through the AVX2 kernel.
+"""C++ source of one whole decoder layer per call (Gemma 3's, and the EAGLE-3 drafter's), for decode
+steps through the AVX2 kernel.
 
 ``LAYER_SOURCE`` is compiled into the AVX2 extension after `cpu_linear_src.NORM_SOURCE` and
 `cpu_linear_avx2_src.AVX2_SOURCE`, whose `rms_norm`, `bf16_linear_bf16`, `load_bf16x8` and `hsum` it
@@ -170,8 +171,62 @@ torch::Tensor gemma3_layer(torch::Tensor h, std::vector<torch::Tensor> w, std::v
     auto f = rms_norm(bf16_linear_bf16(act, w[3], chunk), s[5], eps, false);
     return add_bf16(h1, f).view({B, n, D});
 }
+
+// One EAGLE-3 drafter layer (the Llama layout EAGLE-3 drafters use: RMS norms rounding x r to bf16
+// before the weight, no q / k norm, rotate-half rotary, SiLU-gated MLP) for n new tokens of B rows:
+// token embeddings e and features f, bf16 [B, n, H] -> the layer's output bf16 [B, n, H]. The
+// attention input is [norm(e) | norm(f)] (2H wide), the residual is f. w: q, k and v stacked
+// ([(Hq + 2 Hkv) hd, 2H]), o, gate and up stacked ([2 I, H]), down; s: fp32 weights of the
+// embedding, feature and post-attention norms. Cache and mask as `gemma3_layer`.
+torch::Tensor eagle3_layer(torch::Tensor e, torch::Tensor f, std::vector<torch::Tensor> w, std::vector<torch::Tensor> s,
+                           torch::Tensor kbuf, torch::Tensor vbuf, int64_t L, torch::Tensor cos,
+                           torch::Tensor sin, torch::Tensor mask, int64_t Hq, int64_t Hkv, int64_t hd,
+                           double eps, double scaling, int64_t chunk) {
+    TORCH_CHECK(e.dtype() == torch::kBFloat16 && f.dtype() == torch::kBFloat16 && e.dim() == 3 && e.is_contiguous() &&
+                f.is_contiguous() && f.sizes() == e.sizes(), "e, f: contiguous bf16 [B, n, H] of one shape");
+    TORCH_CHECK(w.size() == 4 && s.size() == 3, "4 weights (qkv, o, gate-up, down) and 3 norm weights");
+    TORCH_CHECK(hd % 8 == 0 && Hq % Hkv == 0, "head_dim a multiple of 8, query heads a multiple of KV heads");
+    const int64_t B = e.size(0), n = e.size(1), H = e.size(2), M = B * n, T = L + n;
+    TORCH_CHECK(kbuf.dtype() == torch::kBFloat16 && kbuf.is_contiguous() && vbuf.is_contiguous() &&
+                kbuf.size(0) == B && kbuf.size(1) == Hkv && kbuf.size(2) >= T && kbuf.size(3) == hd,
+                "kbuf / vbuf: contiguous bf16 [B, Hkv, >= L + n, hd]");
+    TORCH_CHECK(mask.dtype() == torch::kFloat32 && mask.is_contiguous() && mask.numel() == B * n * T,
+                "mask: contiguous fp32 [B, n, L + n]");
+    auto f2 = f.view({M, H});
+    auto x = torch::cat({rms_norm(e.view({M, H}), s[0], eps, true), rms_norm(f2, s[1], eps, true)}, 1);  // [M, 2H]
+    auto qkv = bf16_linear_bf16(x, w[0], chunk);
+    auto q = qkv.narrow(1, 0, Hq * hd).contiguous();
+    auto k = qkv.narrow(1, Hq * hd, Hkv * hd).contiguous();
+    auto v = qkv.narrow(1, (Hq + Hkv) * hd, Hkv * hd).contiguous();
+    auto cs = cos.reshape({M, hd}).contiguous(), sn = sin.reshape({M, hd}).contiguous();
+    rope_inplace(q, cs, sn, Hq, hd);
+    rope_inplace(k, cs, sn, Hkv, hd);
+    const int64_t cap = kbuf.size(2);
+    uint16_t *kd = wbits(kbuf), *vd = wbits(vbuf);
+    const uint16_t *ks = bits(k), *vs = bits(v);
+    for (int64_t m = 0; m < M; ++m)
+        for (int64_t g = 0; g < Hkv; ++g) {
+            const int64_t b = m / n, j = m % n, at = ((b * Hkv + g) * cap + L + j) * hd;
+            std::memcpy(kd + at, ks + (m * Hkv + g) * hd, hd * 2);
+            std::memcpy(vd + at, vs + (m * Hkv + g) * hd, hd * 2);
+        }
+    auto att = attend(q, kbuf, vbuf, mask, n, T, Hq, Hkv, hd, float(scaling));
+    auto h1 = add_bf16(f2, bf16_linear_bf16(att, w[1], chunk));
+    auto gu = bf16_linear_bf16(rms_norm(h1, s[2], eps, true), w[2], chunk);  // [M, 2 I]: gate | up
+    const int64_t I = gu.size(1) / 2;
+    auto act = torch::empty({M, I}, e.options());
+    uint16_t* ap = wbits(act);
+    const uint16_t* gup = bits(gu);
+    for (int64_t m = 0; m < M; ++m)
+        for (int64_t i = 0; i < I; ++i) {
+            const float g = norm_widen(gup[m * 2 * I + i]);
+            ap[m * I + i] = norm_round(to_bf16(g / (1.0f + std::exp(-g))) * norm_widen(gup[m * 2 * I + I + i]));
+        }
+    return add_bf16(h1, bf16_linear_bf16(act, w[3], chunk)).view({B, n, H});
+}
 """
 
 LAYER_BINDINGS = r"""
     m.def("gemma3_layer", &gemma3_layer, "one Gemma 3 decoder layer for a decode step (bf16, AVX2)");
+    m.def("eagle3_layer", &eagle3_layer, "one EAGLE-3 drafter layer for a draft step (bf16, AVX2)");
 """

@@ -32,7 +32,7 @@ from torch import Tensor, nn
 
 from drafttrain.textconfig import text_config
 
-__all__ = ["FusedGemma3", "MAX_ROWS", "detached", "fused", "install", "uninstall"]
+__all__ = ["FusedEagle3", "FusedGemma3", "MAX_ROWS", "detached", "fused", "install", "uninstall"]
 
 #: decode-step inputs (batch rows x tokens fed) served; larger (prefill) run through transformers
 MAX_ROWS = 64
@@ -99,6 +99,46 @@ class FusedGemma3:
         return out, states
 
 
+class FusedEagle3:
+    """One routed EAGLE-3 drafter's layer weights and norms, and its draft step in one C++ call.
+
+    Why: a draft forward of the default drafter took ~1.5-1.7 ms on the 2-core Zen 2, of which its
+    matmuls ~0.9: the rest was ~40 small PyTorch ops (SDPA alone ~0.38 ms for one query over 300
+    keys in bf16), paid two to five times per drafted chain (session 24).
+    """
+
+    def __init__(self, drafter: nn.Module, ext, norms: list):
+        cfg = drafter.cfg
+        self.ext, self.drafter = ext, drafter
+        self.hq, self.hkv, self.hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.theta, self.scaling = float(cfg.rope_theta), float(cfg.head_dim) ** -0.5
+        m = drafter.midlayer
+        a, mlp = m.self_attn, m.mlp
+        self.weights = [_stack(a.q_proj, a.k_proj, a.v_proj), a.o_proj.weight, _stack(mlp.gate_proj, mlp.up_proj),
+                        mlp.down_proj.weight]
+        self.norms = norms  # the installed `_Norm`s of the embedding, feature and post-attention norms
+        self.eps = float(norms[0].eps)
+
+    def forward(self, input_ids: Tensor, hidden: Tensor, positions: Tensor, mask: Tensor, cache) -> tuple[Tensor, Tensor]:
+        """The drafter's forward for [B, n] tokens and their [B, n, H] features at [B, n] positions, with
+        `KVState.extend`'s additive mask, appending keys / values to `cache` (a KVState's DynamicCache).
+        Returns (logits [B, n, Vd], hidden_out [B, n, H]) as `EagleDrafter.forward` does."""
+        from drafttrain.models.eagle import rope_cos_sin
+
+        B, n = input_ids.shape
+        emb = self.drafter.embed(input_ids).to(hidden.dtype)
+        cos, sin = rope_cos_sin(positions, self.hd, self.theta, hidden.dtype)
+        if not cache.layers:
+            cache.layers.append(cache.layer_class_to_replicate())
+        layer = cache.layers[0]
+        kbuf, vbuf, L = layer.reserve((B, self.hkv), n, self.hd, hidden.dtype, hidden.device)
+        h = self.ext.eagle3_layer(emb.contiguous(), hidden.contiguous(), self.weights, [nm.scale() for nm in self.norms],
+                                  kbuf, vbuf, L, cos.contiguous(), sin.contiguous(), mask[:, 0].float().contiguous(),
+                                  self.hq, self.hkv, self.hd, self.eps, self.scaling, MAX_ROWS)
+        layer.advance(n)
+        return self.drafter.logits(h), h
+
+
 def _stack(*linears: nn.Linear) -> Tensor:
     """The linears' weights stacked by rows into one tensor (one pass of the kernel over all of them),
     each linear's weight becoming a view of its rows (no second copy in memory)."""
@@ -111,8 +151,8 @@ def _stack(*linears: nn.Linear) -> Tensor:
     return stacked
 
 
-def fused(model: nn.Module) -> FusedGemma3 | None:
-    """The attached `FusedGemma3` of `model`, or None."""
+def fused(model: nn.Module) -> FusedGemma3 | FusedEagle3 | None:
+    """The attached `FusedGemma3` (a target) or `FusedEagle3` (a drafter) of `model`, or None."""
     return vars(model).get(_ATTR)
 
 
@@ -133,9 +173,28 @@ def _reason(model: nn.Module, backend: str) -> str | None:
     return None
 
 
+def _install_eagle3(drafter: nn.Module, backend: str, ext) -> bool:
+    """Attaches a `FusedEagle3` to a bf16 EAGLE-3 drafter whose three layer norms `cpu_linear.install`
+    routed in the round-first formula (the only one the C++ layer computes)."""
+    if backend != "avx2" or not getattr(drafter.cfg, "fused", False) or drafter.cfg.head_dim % 8:
+        return False
+    m = drafter.midlayer
+    mods = (m.input_layernorm, m.hidden_norm, m.post_attention_layernorm)
+    norms = [vars(mod).get("forward") for mod in mods]
+    if not all(getattr(nm, "mode", None) == "round-first" and hasattr(nm, "scale") for nm in norms):
+        return False
+    if any(lin.weight.dtype != torch.bfloat16 for lin in (m.self_attn.q_proj, m.mlp.down_proj)):
+        return False
+    drafter.__dict__[_ATTR] = FusedEagle3(drafter, ext, norms)
+    return True
+
+
 def install(model: nn.Module, backend: str, ext) -> bool:
     """Attaches a `FusedGemma3` where `_reason` finds nothing against it and `cpu_linear.install`
-    routed every norm of every layer through the norm kernel in Gemma's formula; returns whether."""
+    routed every norm of every layer through the norm kernel in Gemma's formula (or a `FusedEagle3`
+    to an EAGLE-3 drafter, `_install_eagle3`); returns whether."""
+    if type(model).__name__ == "EagleDrafter":
+        return _install_eagle3(model, backend, ext)
     if _reason(model, backend) is not None:
         return False
     norms = []

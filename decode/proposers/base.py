@@ -187,11 +187,11 @@ class NodeDrafter(Proposer):
         B = logits.shape[0]
         drafts, probs, conf = [], [], []
         for t in range(gamma):
-            q = process_logits(logits, state.temperature, state.top_k, state.top_p, check=False)  # [B, V']
             if state.temperature == 0:
-                x = q.argmax(-1)
+                x = logits.argmax(-1)  # process_logits' one-hot would pick the same first maximum
                 conf.append(torch.softmax(logits.float(), -1).max(-1).values)  # p of the argmax
             else:
+                q = process_logits(logits, state.temperature, state.top_k, state.top_p, check=False)  # [B, V']
                 # q's top probability, NOT q(x): a confidence must be known before x is drawn
                 conf.append(q.max(-1).values)
                 if state.seed is not None:  # keyed per row: independent of the batch's composition

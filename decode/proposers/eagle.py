@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from drafttrain.decode.kernels.cpu_layers import MAX_ROWS, fused
 from drafttrain.decode.kv import KVState
 from drafttrain.decode.proposers.base import NodeDrafter, accepted_paths
 
@@ -82,6 +83,9 @@ class EagleProposer(NodeDrafter):
     def _run(self, ids: Tensor, hidden: Tensor, positions: Tensor, parent_slots: Tensor,
              valid: Tensor | None = None) -> tuple[Tensor, Tensor]:
         mask = self.kv.extend(positions, parent_slots, valid, dtype=hidden.dtype)
+        layer = fused(self.drafter)  # one C++ call for the drafter's layer (decode/kernels/cpu_layers.py)
+        if layer is not None and ids.numel() <= MAX_ROWS and not torch.is_grad_enabled():
+            return layer.forward(ids, hidden, positions, mask, self.kv.cache)
         return self.drafter(ids, hidden, position_ids=positions, past_key_values=self.kv.cache,
                             attention_mask=mask)  # (logits [B, n, Vd], hidden_out [B, n, H])
 

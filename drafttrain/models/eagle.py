@@ -23,6 +23,7 @@ run the target, and it knows nothing about trees (the decoder's proposer builds 
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from dataclasses import asdict, dataclass, field, fields
@@ -137,9 +138,17 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
+@functools.lru_cache(maxsize=16)
+def _inv_freq(head_dim: int, theta: float, device: torch.device) -> Tensor:
+    # the same tensor every draft step: computed once per (head_dim, theta, device), as a normal
+    # tensor even when first asked for under inference mode (training may reuse it)
+    with torch.inference_mode(False):
+        return 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+
+
 def rope_cos_sin(position_ids: Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """[B, T] positions -> cos, sin [B, 1, T, head_dim] (rotate-half convention)."""
-    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=position_ids.device, dtype=torch.float32) / head_dim))
+    inv = _inv_freq(head_dim, float(theta), position_ids.device)
     freqs = position_ids.float()[..., None] * inv  # [B, T, hd/2]
     emb = torch.cat([freqs, freqs], dim=-1)[:, None]
     return emb.cos().to(dtype), emb.sin().to(dtype)
@@ -410,10 +419,8 @@ class EagleDrafter(DraftVocab, nn.Module):
         S = k.shape[2]
         if attention_mask is None:
             attention_mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)[None, None]
-        groups = q.shape[1] // k.shape[1]
-        o = F.scaled_dot_product_attention(
-            q, _expand_kv(k, groups), _expand_kv(v, groups), attn_mask=attention_mask
-        )
+        # grouped-query attention without copying the cache per query head
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask, enable_gqa=k.shape[1] != q.shape[1])
         hidden_out = self._finish(attn.out(o), residual)
         return self.logits(hidden_out), hidden_out
 

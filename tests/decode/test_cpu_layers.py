@@ -111,3 +111,68 @@ def test_greedy_decoding_through_the_fused_layers_matches_transformers_forward()
     with cpu_layers.detached(target):
         plain = speculative_generate(target, None, ids, max_new_tokens=24, eos_token_id=-1)
     assert_same_up_to_near_ties(target, ids, fused.sequences, plain.sequences)
+
+
+def _bf16_llama_with_eagle3(tmp_path):
+    """A bf16 Llama target routed through the AVX2 kernel and an EAGLE-3 drafter loaded for it from
+    its folder (so routed and fused as `drafttrain eval` loads one), its norm weights randomised."""
+    from drafttrain.decode.proposers import load_proposer
+    from drafttrain.drafter_io import save_drafter_folder
+    from drafttrain.models.eagle import EagleDrafter, config_from_target
+    from drafttrain.testing import TinyTokenizer
+
+    class Tok(TinyTokenizer):
+        def get_vocab(self):
+            return {str(i): i for i in range(self.vocab_size)}
+
+    target = tiny_target("llama", dtype=torch.bfloat16, vocab_size=257)
+    torch.manual_seed(0)
+    drafter = EagleDrafter(config_from_target(target.config, fused=True)).attach_target(target).eval()
+    with torch.no_grad():
+        for name, p in drafter.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + 0.5 * torch.randn_like(p))
+    folder = save_drafter_folder(tmp_path / "d", drafter=drafter, target=target, tokenizer=Tok(),
+                                 method="eagle3", extra={}, card="test")
+    cpu_linear.install(target, "avx2")
+    return target, load_proposer(str(folder), target)
+
+
+def test_a_fused_eagle3_draft_step_gives_the_drafters_own_logits_and_features(tmp_path):
+    """The EAGLE-3 drafter's layer as one C++ call (catch-up over left-padded rows, then a branching
+    tree of drafts over the growing cache) gives the logits and output features of the drafter's own
+    PyTorch forward over the same kernels, within a few bf16 steps (attention sums differ)."""
+    target, proposer = _bf16_llama_with_eagle3(tmp_path)
+    try:
+        assert isinstance(cpu_layers.fused(proposer.drafter), cpu_layers.FusedEagle3)
+        H = proposer.drafter.cfg.hidden_size
+
+        def run(fused: bool):
+            with cpu_layers.detached(proposer.drafter) if not fused else nullcontext(), torch.inference_mode():
+                gen = torch.Generator().manual_seed(3)
+                B, P = 2, 9
+                proposer.kv = KVState(B, torch.device("cpu"))
+                ids = torch.randint(3, 257, (B, P), generator=gen)
+                feats = (torch.randn(B, P, H, generator=gen) * 2).bfloat16()
+                valid = torch.ones(B, P, dtype=torch.bool)
+                valid[1, :2] = False  # row 1: two pads on the left
+                pos = (valid.long().cumsum(1) - 1).clamp(min=0)
+                col = torch.arange(P).expand(B, P)
+                parents = torch.where(valid & (col > 0) & valid.roll(1, 1), col - 1, -1)
+                l1, h1 = proposer._run(ids, feats, pos, parents, valid)
+                proposer.kv.commit(torch.where(valid, col, -1))
+                # two drafts under the last committed token, then one under the first of them
+                tok = torch.randint(3, 257, (B, 3), generator=gen)
+                tree_feats = (torch.randn(B, 3, H, generator=gen) * 2).bfloat16()
+                tpar = torch.tensor([[-1, -1, 0]] * B)
+                tpos = pos[:, -1:] + 1 + torch.tensor([0, 0, 1])
+                l2, h2 = proposer._run(tok, tree_feats, tpos, tpar)
+                return l1[valid], h1[valid], l2, h2
+
+        got, want = run(True), run(False)
+        for g, w in zip(got, want):
+            assert g.shape == w.shape and g.dtype == w.dtype == torch.bfloat16
+            assert _ulps(g, w) <= 4, _ulps(g, w)
+        assert _ulps(got[2], run(True)[2]) == 0  # and it is deterministic
+    finally:
+        cpu_linear.uninstall(target)
