@@ -38,6 +38,7 @@ import torch.nn.functional as F
 
 from drafttrain.config import LINEAR_BACKEND_HELP
 from drafttrain.decode import speculative_generate
+from drafttrain.decode.allocator import keep_freed_memory
 from drafttrain.decode.kernels import cpu_layers, cpu_linear
 from drafttrain.decode.kernels.greedy import greedy_lm_head_argmax
 from drafttrain.decode.kv import KVState, target_forward
@@ -202,6 +203,7 @@ def op_table(step: Step, steps: int, top: int) -> tuple[list[tuple[str, float, f
 def main(argv=None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
+    print(f"allocator keeps freed memory (decode/allocator.py, as the engine does): {keep_freed_memory()}")
     model, tok, _ = load_target(args.target, dtype=args.dtype)
     model.eval()
     print(cpu_linear.setup(model, args.linear_backend))

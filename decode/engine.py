@@ -34,6 +34,7 @@ from numbers import Integral
 import torch
 from torch import Tensor, nn
 
+from drafttrain.decode.allocator import keep_freed_memory
 from drafttrain.decode.kv import KVState, target_forward
 from drafttrain.decode.proposers.base import Proposer
 from drafttrain.decode.sampling import row_seeds
@@ -264,6 +265,8 @@ def speculative_generate(target: nn.Module, proposer: Proposer | None, input_ids
         input_ids = input_ids[None]
     B, P = input_ids.shape
     device = input_ids.device
+    if device.type == "cpu":
+        keep_freed_memory()  # large per-step temporaries stop faulting their pages in (allocator.py)
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
     if not bool(attention_mask[:, -1].all()):
