@@ -405,6 +405,10 @@ def measure_cost_model(target: nn.Module, proposers: dict | None = None, *, batc
     """
     from tqdm.auto import tqdm
 
+    from drafttrain.decode.allocator import keep_freed_memory
+
+    if next(target.parameters()).device.type == "cpu":
+        keep_freed_memory()  # as decoding runs (speculative_generate sets it too)
     proposers = proposers or {}
     batch_sizes, tokens = sorted(set(batch_sizes)), sorted(set(tokens))
     if not batch_sizes or not tokens or min(batch_sizes) < 1 or min(tokens) < 1:

@@ -103,7 +103,8 @@ def process_logits(logits: Tensor, temperature: float, top_k: int = 0, top_p: fl
     if temperature == 0:
         idx = x.argmax(dim=-1, keepdim=True)  # first maximum = lowest index
         return torch.zeros_like(x).scatter_(-1, idx, 1.0)
-    x = x / temperature
+    if temperature != 1.0:  # x / 1.0 is x: one [..., V] pass saved at T = 1
+        x = x / temperature
     if 0 < top_k < x.shape[-1]:
         kth = x.topk(top_k, dim=-1).values[..., -1:]  # [..., 1]
         x = x.masked_fill(x < kth, float("-inf"))

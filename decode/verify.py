@@ -323,7 +323,8 @@ def verify_sampled_chain(probs: Tensor, tokens: Tensor, draft_probs: Tensor | No
     run = ok.long().cumprod(1)  # accepted prefix
     n_acc = run.sum(1)  # [B]
     cur = n_acc  # the last accepted node (0 = the root)
-    p_cur = probs[rows, cur]  # [B, V]
+    # [B, V]; one row: a view, not a gather (every [B, V] pass costs ~0.1-0.3 ms at a 262k vocabulary)
+    p_cur = probs[:, int(cur)] if B == 1 else probs[rows, cur]
     rejected = n_acc < K
     r = p_cur
     if bool(rejected.any()):
@@ -331,11 +332,13 @@ def verify_sampled_chain(probs: Tensor, tokens: Tensor, draft_probs: Tensor | No
         if draft_probs is None:
             r_rej = p_cur.scatter(1, x[rows, node][:, None], 0.0)
         else:
-            q = draft_probs[rows, node.clamp(max=draft_probs.shape[1] - 1)].float()
+            qn = node.clamp(max=draft_probs.shape[1] - 1)
+            q = (draft_probs[:, int(qn)] if B == 1 else draft_probs[rows, qn]).float()
             r_rej = (p_cur - q).clamp_min(0.0)
-        empty = r_rej.sum(-1, dtype=torch.float64) <= 0
-        r_rej = torch.where(empty[:, None], p_cur, r_rej)
-        r = torch.where(rejected[:, None], r_rej, p_cur)
+        empty = ~(r_rej > 0).any(-1)  # no mass left (non-negative entries: exactly "sum <= 0")
+        if bool(empty.any()):
+            r_rej = torch.where(empty[:, None], p_cur, r_rej)
+        r = r_rej if bool(rejected.all()) else torch.where(rejected[:, None], r_rej, p_cur)
     mask = torch.cat([torch.zeros(B, 1, dtype=torch.bool, device=probs.device), run.bool()], 1)
     return VerifyResult(_pack_path(mask), n_acc, sample_weights(r, exponentials), cur)
 
