@@ -115,6 +115,36 @@ static torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& kbuf, c
     return out;
 }
 
+// The attention of both layers below, from their stacked projection qkv [M = B n, (Hq + 2 Hkv) hd]:
+// q, k, v split off; q and k RMS-normed per head where scales are given (Gemma 3; the drafter has
+// none); rotary on q and k; k and v written into the cache buffers at entries L .. L + n of each
+// row; then `attend`. Returns bf16 [M, Hq hd].
+static torch::Tensor attention_block(const torch::Tensor& qkv, const torch::Tensor* q_scale,
+                                     const torch::Tensor* k_scale, double eps, torch::Tensor& kbuf,
+                                     torch::Tensor& vbuf, int64_t L, const torch::Tensor& cos,
+                                     const torch::Tensor& sin, const torch::Tensor& mask, int64_t n,
+                                     int64_t Hq, int64_t Hkv, int64_t hd, double scaling) {
+    const int64_t M = qkv.size(0);
+    auto q = qkv.narrow(1, 0, Hq * hd).contiguous();
+    auto k = qkv.narrow(1, Hq * hd, Hkv * hd).contiguous();
+    auto v = qkv.narrow(1, (Hq + Hkv) * hd, Hkv * hd).contiguous();
+    if (q_scale) q = rms_norm(q.view({M * Hq, hd}), *q_scale, eps, false).view({M, Hq * hd});
+    if (k_scale) k = rms_norm(k.view({M * Hkv, hd}), *k_scale, eps, false).view({M, Hkv * hd});
+    auto cs = cos.reshape({M, hd}).contiguous(), sn = sin.reshape({M, hd}).contiguous();
+    rope_inplace(q, cs, sn, Hq, hd);
+    rope_inplace(k, cs, sn, Hkv, hd);
+    const int64_t cap = kbuf.size(2);
+    uint16_t *kd = wbits(kbuf), *vd = wbits(vbuf);
+    const uint16_t *ks = bits(k), *vs = bits(v);
+    for (int64_t m = 0; m < M; ++m)
+        for (int64_t g = 0; g < Hkv; ++g) {
+            const int64_t b = m / n, j = m % n, at = ((b * Hkv + g) * cap + L + j) * hd;
+            std::memcpy(kd + at, ks + (m * Hkv + g) * hd, hd * 2);
+            std::memcpy(vd + at, vs + (m * Hkv + g) * hd, hd * 2);
+        }
+    return attend(q, kbuf, vbuf, mask, n, L + n, Hq, Hkv, hd, float(scaling));
+}
+
 // One Gemma 3 decoder layer for n new tokens of B rows: h bf16 [B, n, D] -> bf16 [B, n, D]. Writes the
 // new keys / values into kbuf / vbuf [B, Hkv, cap, hd] at entries L .. L + n. w: the q, k and v weights
 // stacked ([(Hq + 2 Hkv) hd, D]: one pass over them), o, the gate and up weights stacked ([2 I, D]),
@@ -136,24 +166,7 @@ torch::Tensor gemma3_layer(torch::Tensor h, std::vector<torch::Tensor> w, std::v
     auto h2 = h.view({M, D});
     auto x = rms_norm(h2, s[0], eps, false);
     auto qkv = bf16_linear_bf16(x, w[0], chunk);  // [M, (Hq + 2 Hkv) hd]
-    auto q = qkv.narrow(1, 0, Hq * hd).contiguous();
-    auto k = qkv.narrow(1, Hq * hd, Hkv * hd).contiguous();
-    auto v = qkv.narrow(1, (Hq + Hkv) * hd, Hkv * hd).contiguous();
-    q = rms_norm(q.view({M * Hq, hd}), s[1], eps, false).view({M, Hq * hd});
-    k = rms_norm(k.view({M * Hkv, hd}), s[2], eps, false).view({M, Hkv * hd});
-    auto cs = cos.reshape({M, hd}).contiguous(), sn = sin.reshape({M, hd}).contiguous();
-    rope_inplace(q, cs, sn, Hq, hd);
-    rope_inplace(k, cs, sn, Hkv, hd);
-    const int64_t cap = kbuf.size(2);
-    uint16_t *kd = wbits(kbuf), *vd = wbits(vbuf);
-    const uint16_t *ks = bits(k), *vs = bits(v);
-    for (int64_t m = 0; m < M; ++m)
-        for (int64_t g = 0; g < Hkv; ++g) {
-            const int64_t b = m / n, j = m % n, at = ((b * Hkv + g) * cap + L + j) * hd;
-            std::memcpy(kd + at, ks + (m * Hkv + g) * hd, hd * 2);
-            std::memcpy(vd + at, vs + (m * Hkv + g) * hd, hd * 2);
-        }
-    auto att = attend(q, kbuf, vbuf, mask, n, T, Hq, Hkv, hd, float(scaling));
+    auto att = attention_block(qkv, &s[1], &s[2], eps, kbuf, vbuf, L, cos, sin, mask, n, Hq, Hkv, hd, scaling);
     auto o = rms_norm(bf16_linear_bf16(att, w[1], chunk), s[3], eps, false);
     auto h1 = add_bf16(h2, o);
     auto x2 = rms_norm(h1, s[4], eps, false);
@@ -195,22 +208,7 @@ torch::Tensor eagle3_layer(torch::Tensor e, torch::Tensor f, std::vector<torch::
     auto f2 = f.view({M, H});
     auto x = torch::cat({rms_norm(e.view({M, H}), s[0], eps, true), rms_norm(f2, s[1], eps, true)}, 1);  // [M, 2H]
     auto qkv = bf16_linear_bf16(x, w[0], chunk);
-    auto q = qkv.narrow(1, 0, Hq * hd).contiguous();
-    auto k = qkv.narrow(1, Hq * hd, Hkv * hd).contiguous();
-    auto v = qkv.narrow(1, (Hq + Hkv) * hd, Hkv * hd).contiguous();
-    auto cs = cos.reshape({M, hd}).contiguous(), sn = sin.reshape({M, hd}).contiguous();
-    rope_inplace(q, cs, sn, Hq, hd);
-    rope_inplace(k, cs, sn, Hkv, hd);
-    const int64_t cap = kbuf.size(2);
-    uint16_t *kd = wbits(kbuf), *vd = wbits(vbuf);
-    const uint16_t *ks = bits(k), *vs = bits(v);
-    for (int64_t m = 0; m < M; ++m)
-        for (int64_t g = 0; g < Hkv; ++g) {
-            const int64_t b = m / n, j = m % n, at = ((b * Hkv + g) * cap + L + j) * hd;
-            std::memcpy(kd + at, ks + (m * Hkv + g) * hd, hd * 2);
-            std::memcpy(vd + at, vs + (m * Hkv + g) * hd, hd * 2);
-        }
-    auto att = attend(q, kbuf, vbuf, mask, n, T, Hq, Hkv, hd, float(scaling));
+    auto att = attention_block(qkv, nullptr, nullptr, eps, kbuf, vbuf, L, cos, sin, mask, n, Hq, Hkv, hd, scaling);
     auto h1 = add_bf16(f2, bf16_linear_bf16(att, w[1], chunk));
     auto gu = bf16_linear_bf16(rms_norm(h1, s[2], eps, true), w[2], chunk);  // [M, 2 I]: gate | up
     const int64_t I = gu.size(1) / 2;

@@ -10,7 +10,10 @@ from contextlib import nullcontext
 
 import pytest
 import torch
-from test_cpu_linear import assert_same_up_to_near_ties  # tests/decode is on sys.path (no __init__)
+from test_cpu_linear import (  # tests/decode is on sys.path (no __init__)
+    assert_same_up_to_near_ties,
+    eagle3_folder,
+)
 
 from drafttrain.decode import speculative_generate
 from drafttrain.decode.kernels import cpu_layers, cpu_linear
@@ -117,23 +120,9 @@ def _bf16_llama_with_eagle3(tmp_path):
     """A bf16 Llama target routed through the AVX2 kernel and an EAGLE-3 drafter loaded for it from
     its folder (so routed and fused as `drafttrain eval` loads one), its norm weights randomised."""
     from drafttrain.decode.proposers import load_proposer
-    from drafttrain.drafter_io import save_drafter_folder
-    from drafttrain.models.eagle import EagleDrafter, config_from_target
-    from drafttrain.testing import TinyTokenizer
-
-    class Tok(TinyTokenizer):
-        def get_vocab(self):
-            return {str(i): i for i in range(self.vocab_size)}
 
     target = tiny_target("llama", dtype=torch.bfloat16, vocab_size=257)
-    torch.manual_seed(0)
-    drafter = EagleDrafter(config_from_target(target.config, fused=True)).attach_target(target).eval()
-    with torch.no_grad():
-        for name, p in drafter.named_parameters():
-            if "norm" in name:
-                p.copy_(1 + 0.5 * torch.randn_like(p))
-    folder = save_drafter_folder(tmp_path / "d", drafter=drafter, target=target, tokenizer=Tok(),
-                                 method="eagle3", extra={}, card="test")
+    folder = eagle3_folder(tmp_path, target, random_norms=True)
     cpu_linear.install(target, "avx2")
     return target, load_proposer(str(folder), target)
 

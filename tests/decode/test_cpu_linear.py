@@ -279,11 +279,9 @@ def test_avx2_argmax_epilogue_picks_what_rounding_to_bf16_then_argmax_picks(rows
         assert ext.argmax_bf16_rounded(y)[1:].tolist() == [30000, 39000, 17000]
 
 
-@pytest.mark.parametrize("backend", RUNNABLE)
-def test_a_loaded_drafter_runs_through_the_targets_kernel(tmp_path, backend):
-    # A draft step feeds as few rows as a target step: a drafter loaded from its folder for a
-    # target whose layers run through a kernel gets the same kernel; for a target on PyTorch's
-    # matmul it stays on PyTorch's. Decoding through it stays lossless.
+def eagle3_folder(tmp_path, target, *, random_norms: bool = False):
+    """An EAGLE-3 drafter folder for `target` (seed 0), saved as `drafttrain train` saves one; with
+    `random_norms` its norm weights are drawn around 1 (so a norm that ignored them would show)."""
     from drafttrain.drafter_io import save_drafter_folder
     from drafttrain.models.eagle import EagleDrafter, config_from_target
     from drafttrain.testing import TinyTokenizer
@@ -292,11 +290,24 @@ def test_a_loaded_drafter_runs_through_the_targets_kernel(tmp_path, backend):
         def get_vocab(self):
             return {str(i): i for i in range(self.vocab_size)}
 
-    target = tiny_target("llama", dtype=torch.bfloat16, vocab_size=257)
     torch.manual_seed(0)
     drafter = EagleDrafter(config_from_target(target.config, fused=True)).attach_target(target).eval()
-    folder = save_drafter_folder(tmp_path / "d", drafter=drafter, target=target, tokenizer=Tok(),
-                                 method="eagle3", extra={}, card="test")
+    if random_norms:
+        with torch.no_grad():
+            for name, p in drafter.named_parameters():
+                if "norm" in name:
+                    p.copy_(1 + 0.5 * torch.randn_like(p))
+    return save_drafter_folder(tmp_path / "d", drafter=drafter, target=target, tokenizer=Tok(),
+                               method="eagle3", extra={}, card="test")
+
+
+@pytest.mark.parametrize("backend", RUNNABLE)
+def test_a_loaded_drafter_runs_through_the_targets_kernel(tmp_path, backend):
+    # A draft step feeds as few rows as a target step: a drafter loaded from its folder for a
+    # target whose layers run through a kernel gets the same kernel; for a target on PyTorch's
+    # matmul it stays on PyTorch's. Decoding through it stays lossless.
+    target = tiny_target("llama", dtype=torch.bfloat16, vocab_size=257)
+    folder = eagle3_folder(tmp_path, target)
     plain = load_proposer(str(folder), target)
     assert not any(cpu_linear.is_installed(m) for m in plain.drafter.modules())
     ids = torch.randint(3, 257, (1, 7), generator=torch.Generator().manual_seed(1))
