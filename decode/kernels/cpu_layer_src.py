@@ -118,13 +118,19 @@ static torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& kbuf, c
 // The attention of both layers below, from their stacked projection qkv [M = B n, (Hq + 2 Hkv) hd]:
 // q, k, v split off; q and k RMS-normed per head where scales are given (Gemma 3; the drafter has
 // none); rotary on q and k; k and v written into the cache buffers at entries L .. L + n of each
-// row; then `attend`. Returns bf16 [M, Hq hd].
+// row; then `attend`. Checks the cache buffers and the mask both layers pass. Returns bf16 [M, Hq hd].
 static torch::Tensor attention_block(const torch::Tensor& qkv, const torch::Tensor* q_scale,
                                      const torch::Tensor* k_scale, double eps, torch::Tensor& kbuf,
                                      torch::Tensor& vbuf, int64_t L, const torch::Tensor& cos,
                                      const torch::Tensor& sin, const torch::Tensor& mask, int64_t n,
                                      int64_t Hq, int64_t Hkv, int64_t hd, double scaling) {
-    const int64_t M = qkv.size(0);
+    TORCH_CHECK(hd % 8 == 0 && Hq % Hkv == 0, "head_dim a multiple of 8, query heads a multiple of KV heads");
+    const int64_t M = qkv.size(0), B = M / n, T = L + n;
+    TORCH_CHECK(kbuf.dtype() == torch::kBFloat16 && kbuf.is_contiguous() && vbuf.is_contiguous() &&
+                kbuf.size(0) == B && kbuf.size(1) == Hkv && kbuf.size(2) >= T && kbuf.size(3) == hd,
+                "kbuf / vbuf: contiguous bf16 [B, Hkv, >= L + n, hd]");
+    TORCH_CHECK(mask.dtype() == torch::kFloat32 && mask.is_contiguous() && mask.numel() == B * n * T,
+                "mask: contiguous fp32 [B, n, L + n]");
     auto q = qkv.narrow(1, 0, Hq * hd).contiguous();
     auto k = qkv.narrow(1, Hq * hd, Hkv * hd).contiguous();
     auto v = qkv.narrow(1, (Hq + Hkv) * hd, Hkv * hd).contiguous();
@@ -142,7 +148,7 @@ static torch::Tensor attention_block(const torch::Tensor& qkv, const torch::Tens
             std::memcpy(kd + at, ks + (m * Hkv + g) * hd, hd * 2);
             std::memcpy(vd + at, vs + (m * Hkv + g) * hd, hd * 2);
         }
-    return attend(q, kbuf, vbuf, mask, n, L + n, Hq, Hkv, hd, float(scaling));
+    return attend(q, kbuf, vbuf, mask, n, T, Hq, Hkv, hd, float(scaling));
 }
 
 // One Gemma 3 decoder layer for n new tokens of B rows: h bf16 [B, n, D] -> bf16 [B, n, D]. Writes the
@@ -156,13 +162,7 @@ torch::Tensor gemma3_layer(torch::Tensor h, std::vector<torch::Tensor> w, std::v
                            double eps, double scaling, int64_t chunk) {
     TORCH_CHECK(h.dtype() == torch::kBFloat16 && h.dim() == 3 && h.is_contiguous(), "h: contiguous bf16 [B, n, D]");
     TORCH_CHECK(w.size() == 4 && s.size() == 6, "4 weights (qkv, o, gate-up, down) and 6 norm scales");
-    TORCH_CHECK(hd % 8 == 0 && Hq % Hkv == 0, "head_dim a multiple of 8, query heads a multiple of KV heads");
-    const int64_t B = h.size(0), n = h.size(1), D = h.size(2), M = B * n, T = L + n;
-    TORCH_CHECK(kbuf.dtype() == torch::kBFloat16 && kbuf.is_contiguous() && vbuf.is_contiguous() &&
-                kbuf.size(0) == B && kbuf.size(1) == Hkv && kbuf.size(2) >= T && kbuf.size(3) == hd,
-                "kbuf / vbuf: contiguous bf16 [B, Hkv, >= L + n, hd]");
-    TORCH_CHECK(mask.dtype() == torch::kFloat32 && mask.is_contiguous() && mask.numel() == B * n * T,
-                "mask: contiguous fp32 [B, n, L + n]");
+    const int64_t n = h.size(1), D = h.size(2), M = h.size(0) * n;
     auto h2 = h.view({M, D});
     auto x = rms_norm(h2, s[0], eps, false);
     auto qkv = bf16_linear_bf16(x, w[0], chunk);  // [M, (Hq + 2 Hkv) hd]
@@ -182,7 +182,7 @@ torch::Tensor gemma3_layer(torch::Tensor h, std::vector<torch::Tensor> w, std::v
         }
     });
     auto f = rms_norm(bf16_linear_bf16(act, w[3], chunk), s[5], eps, false);
-    return add_bf16(h1, f).view({B, n, D});
+    return add_bf16(h1, f).view(h.sizes());
 }
 
 // One EAGLE-3 drafter layer (the Llama layout EAGLE-3 drafters use: RMS norms rounding x r to bf16
@@ -198,13 +198,7 @@ torch::Tensor eagle3_layer(torch::Tensor e, torch::Tensor f, std::vector<torch::
     TORCH_CHECK(e.dtype() == torch::kBFloat16 && f.dtype() == torch::kBFloat16 && e.dim() == 3 && e.is_contiguous() &&
                 f.is_contiguous() && f.sizes() == e.sizes(), "e, f: contiguous bf16 [B, n, H] of one shape");
     TORCH_CHECK(w.size() == 4 && s.size() == 3, "4 weights (qkv, o, gate-up, down) and 3 norm weights");
-    TORCH_CHECK(hd % 8 == 0 && Hq % Hkv == 0, "head_dim a multiple of 8, query heads a multiple of KV heads");
-    const int64_t B = e.size(0), n = e.size(1), H = e.size(2), M = B * n, T = L + n;
-    TORCH_CHECK(kbuf.dtype() == torch::kBFloat16 && kbuf.is_contiguous() && vbuf.is_contiguous() &&
-                kbuf.size(0) == B && kbuf.size(1) == Hkv && kbuf.size(2) >= T && kbuf.size(3) == hd,
-                "kbuf / vbuf: contiguous bf16 [B, Hkv, >= L + n, hd]");
-    TORCH_CHECK(mask.dtype() == torch::kFloat32 && mask.is_contiguous() && mask.numel() == B * n * T,
-                "mask: contiguous fp32 [B, n, L + n]");
+    const int64_t n = e.size(1), H = e.size(2), M = e.size(0) * n;
     auto f2 = f.view({M, H});
     auto x = torch::cat({rms_norm(e.view({M, H}), s[0], eps, true), rms_norm(f2, s[1], eps, true)}, 1);  // [M, 2H]
     auto qkv = bf16_linear_bf16(x, w[0], chunk);
@@ -220,7 +214,7 @@ torch::Tensor eagle3_layer(torch::Tensor e, torch::Tensor f, std::vector<torch::
             const float g = norm_widen(gup[m * 2 * I + i]);
             ap[m * I + i] = norm_round(to_bf16(g / (1.0f + std::exp(-g))) * norm_widen(gup[m * 2 * I + I + i]));
         }
-    return add_bf16(h1, bf16_linear_bf16(act, w[3], chunk)).view({B, n, H});
+    return add_bf16(h1, bf16_linear_bf16(act, w[3], chunk)).view(e.sizes());
 }
 """
 

@@ -142,8 +142,7 @@ static void linear_core(const float* xp, const uint16_t* wp, float* yp, int64_t 
             int64_t m = 0;
             for (; m < head; m += 4) tile<4>(xp, wp, yp, K, O, o, m, orows, m == 0 ? pf : nullptr);
             if (head > 0) pf = nullptr;
-            switch (M - m) {  // the rest, 1..6 rows, in one tile
-                case 1: tile<1>(xp, wp, yp, K, O, o, m, orows, pf); break;
+            switch (M - m) {  // the rest, 2..6 rows, in one tile
                 case 2: tile<2>(xp, wp, yp, K, O, o, m, orows, pf); break;
                 case 3: tile<3>(xp, wp, yp, K, O, o, m, orows, pf); break;
                 case 4: tile<4>(xp, wp, yp, K, O, o, m, orows, pf); break;
