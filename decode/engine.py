@@ -176,7 +176,8 @@ def accept(state: DecodeState, tree: DraftTree, result: VerifyResult, out: list[
     active = state.active.tolist()
     depth_drafted = tree.depths().max(1).values.tolist()
     stats.record_step(depth_drafted, num, active)
-    keep = torch.full((B, 1 + max(num, default=0)), -1, dtype=torch.long)
+    width = 1 + max(num, default=0)
+    keep = [[-1] * width for _ in range(B)]  # built in Python: one tensor at the end, not two writes a row
     for b in range(B):
         if not active[b]:
             continue
@@ -193,10 +194,11 @@ def accept(state: DecodeState, tree: DraftTree, result: VerifyResult, out: list[
         stats.per_row_forwards[r] += 1
         if len(out[r]) >= max_new_tokens or (emitted and emitted[-1] in eos):
             active[b] = False
-        keep[b, 0] = 0  # the root's KV ...
-        keep[b, 1 : 1 + len(path)] = torch.tensor(path, dtype=torch.long)  # ... and the accepted path's
+        keep[b][: 1 + len(path)] = [0, *path]  # the root's KV and the accepted path's
     # pending = the tree's N nodes: keep root + path, per row (holes where a row kept fewer)
-    state.kv.commit(keep.to(tree.tokens.device))
+    in_order = list(range(width))
+    state.kv.commit(torch.tensor(keep, dtype=torch.long, device=tree.tokens.device),
+                    prefix=all(k == in_order for k in keep))
     state.active = torch.tensor(active, device=state.active.device)
     state.root = torch.tensor([t[-1] for t in state.tokens], device=state.root.device)
     state.root_pos = torch.tensor([len(t) - 1 for t in state.tokens], device=state.root.device)

@@ -11,7 +11,7 @@ Cache entries come in two segments:
   * committed: tokens known to be part of the output (or prompt). Per row, `valid` marks real
     entries (left padding and holes left by rows that accepted fewer tokens are False) and
     `pos` gives each entry's absolute position.
-  * pending: tokens fed since the last commit (a draft tree). `pend_anc` says which pending
+  * pending: tokens fed since the last commit (a draft tree). Their ancestry says which pending
     entries each pending entry may see (its tree ancestors and itself).
 `commit(keep)` gathers the kept pending entries per row into the committed segment (rows may
 keep different numbers; shorter rows get holes); `rollback()` drops the pending segment;
@@ -97,6 +97,11 @@ class _GrowingLayer(DynamicLayer):
         self._vbuf, self._len = t, (0 if t is None else t.shape[-2])
 
     @property
+    def length(self) -> int:
+        """Entries held (the filled part of the buffers)."""
+        return self._len
+
+    @property
     def capacity(self) -> int:
         return 0 if self._kbuf is None else self._kbuf.shape[-2]
 
@@ -169,7 +174,10 @@ class KVState:
         self.pos = torch.zeros(B, 0, dtype=torch.long, device=device)  # [B, Lc]
         self.pend_valid = torch.zeros(B, 0, dtype=torch.bool, device=device)  # [B, Lp]
         self.pend_pos = torch.zeros(B, 0, dtype=torch.long, device=device)  # [B, Lp]
-        self.pend_anc = torch.zeros(B, 0, 0, dtype=torch.bool, device=device)  # [B, Lp, Lp]
+        # pending entries' ancestors-or-self, as [B, Lp, Lp] bool (`_anc`) or per-row bitmasks
+        # (`_anc_bits`), whichever the last `extend` built; the other is derived when asked for
+        self._anc: Tensor | None = torch.zeros(B, 0, 0, dtype=torch.bool, device=device)
+        self._anc_bits: list[list[int]] | None = [[] for _ in range(B)]
 
     @classmethod
     def for_model(cls, model: nn.Module, batch_size: int, device: torch.device) -> KVState:
@@ -203,67 +211,121 @@ class KVState:
             dtype: float dtype of the additive mask (the model's dtype).
 
         Returns:
-            [B, 1, n, Lc + Lp + n] additive mask, or {layer_type: mask} for sliding-window models.
+            [B, 1, n, Lc + Lp + n] additive mask, or {layer_type: mask} for sliding-window models
+            (one tensor for both types while every key lies within the window).
         """
         B, n = positions.shape
         Lp = self.pending_len
-        if valid is None:
-            valid = parents != -2
-        valid = valid & (parents != -2)
-        # ancestors-or-self of each new token among pending + new: [B, n, Lp + n]
-        anc_all = torch.zeros(B, Lp + n, Lp + n, dtype=torch.bool, device=positions.device)
-        anc_all[:, :Lp, :Lp] = self.pend_anc
-        rows = torch.arange(B, device=positions.device)
-        for j in range(n):
-            p = parents[:, j]  # [B]
-            has_parent = p >= 0
-            inherited = anc_all[rows, p.clamp(min=0)] & has_parent[:, None]  # [B, Lp + n]
-            inherited[:, Lp + j] = True
-            anc_all[:, Lp + j] = inherited
-        anc_new = anc_all[:, Lp:]  # [B, n, Lp + n]
-        pend_valid = torch.cat([self.pend_valid, valid], 1)  # [B, Lp + n]
-        pend_pos = torch.cat([self.pend_pos, positions], 1)
-        self.pend_valid, self.pend_pos, self.pend_anc = pend_valid, pend_pos, anc_all
-
-        self_only = torch.zeros_like(anc_new)
-        self_only[:, torch.arange(n), Lp + torch.arange(n)] = True
-        see_pend = torch.where(valid[:, :, None], anc_new & pend_valid[:, None, :], self_only)
+        real = parents != -2
+        valid = real if valid is None else valid & real
+        if B * n <= _SMALL and Lp + n <= _SMALL:
+            see_pend = self._see_pending_small(parents, valid, Lp)
+        else:
+            see_pend = self._see_pending(parents, valid, Lp)
+        self.pend_valid = torch.cat([self.pend_valid, valid], 1)  # [B, Lp + n]
+        self.pend_pos = torch.cat([self.pend_pos, positions], 1)
         see_comm = self.valid[:, None, :] & valid[:, :, None]  # [B, n, Lc]
         allowed = torch.cat([see_comm, see_pend], -1)  # [B, n, Lc + Lp + n]
-        key_pos = torch.cat([self.pos, pend_pos], 1)  # [B, Lc + Lp + n]
         if self.layer_types is None or self.window is None:
             return _additive(allowed, dtype)
+        full = _additive(allowed, dtype)
+        key_pos = torch.cat([self.pos, self.pend_pos], 1)  # [B, Lc + Lp + n]
+        if n and int(positions.max()) - int(key_pos.min()) < self.window:  # every key is near every query
+            return {t: full for t in set(self.layer_types)}
         near = (positions[:, :, None] - key_pos[:, None, :]) < self.window
-        in_window = allowed & (near | ~valid[:, :, None])
-        masks = {"full_attention": _additive(allowed, dtype), "sliding_attention": _additive(in_window, dtype)}
+        masks = {"full_attention": full, "sliding_attention": _additive(allowed & (near | ~valid[:, :, None]), dtype)}
         return {t: masks[t] for t in set(self.layer_types)}
 
+    def _see_pending_small(self, parents: Tensor, valid: Tensor, Lp: int) -> Tensor:
+        """`_see_pending` for a few tokens, in Python over bitmasks (one per pending entry: its
+        ancestors-or-self) instead of ~10 tensor ops per new token: a decode step's 1-6 tokens."""
+        B, n = parents.shape
+        par, val = parents.tolist(), valid.tolist()
+        old = self._ancestor_bits()
+        pend_valid = self.pend_valid.tolist()
+        rows, bits = [], []
+        for b in range(B):
+            anc = list(old[b])
+            seen = sum(1 << i for i, v in enumerate(pend_valid[b]) if v)  # valid pending entries
+            for j in range(n):
+                p, own = par[b][j], 1 << (Lp + j)
+                anc.append((anc[p] if p >= 0 else 0) | own)
+                if val[b][j]:
+                    seen |= own
+            width = Lp + n
+            rows.append([[bool((anc[Lp + j] & seen if val[b][j] else 1 << (Lp + j)) >> k & 1) for k in range(width)]
+                         for j in range(n)])
+            bits.append(anc)
+        self._anc_bits, self._anc = bits, None
+        return torch.tensor(rows, dtype=torch.bool, device=parents.device).view(B, n, Lp + n)
+
+    def _see_pending(self, parents: Tensor, valid: Tensor, Lp: int) -> Tensor:
+        """[B, n, Lp + n] which pending entries (old and new) each new token sees: its tree ancestors
+        and itself among the valid ones (padding sees only itself); records the new ancestry."""
+        B, n = parents.shape
+        device = parents.device
+        anc_all = torch.zeros(B, Lp + n, Lp + n, dtype=torch.bool, device=device)  # ancestors-or-self
+        anc_all[:, :Lp, :Lp] = self._ancestor_tensor()
+        rows = torch.arange(B, device=device)
+        for j in range(n):
+            p = parents[:, j]  # [B]
+            inherited = anc_all[rows, p.clamp(min=0)] & (p >= 0)[:, None]  # [B, Lp + n]
+            inherited[:, Lp + j] = True
+            anc_all[:, Lp + j] = inherited
+        self._anc, self._anc_bits = anc_all, None
+        anc_new = anc_all[:, Lp:]  # [B, n, Lp + n]
+        pend_valid = torch.cat([self.pend_valid, valid], 1)
+        self_only = torch.zeros_like(anc_new)
+        self_only[:, torch.arange(n), Lp + torch.arange(n)] = True
+        return torch.where(valid[:, :, None], anc_new & pend_valid[:, None, :], self_only)
+
+    def _ancestor_bits(self) -> list[list[int]]:
+        """Per row, per pending entry: the bitmask of its ancestors-or-self among pending entries."""
+        if self._anc_bits is None:
+            self._anc_bits = [[sum(1 << k for k, x in enumerate(r) if x) for r in row] for row in self._anc.tolist()]
+        return self._anc_bits
+
+    def _ancestor_tensor(self) -> Tensor:
+        """[B, Lp, Lp] bool: pending entry i's ancestors-or-self among pending entries (row i)."""
+        if self._anc is None:
+            Lp = self.pending_len
+            self._anc = torch.tensor([[[bool(a >> k & 1) for k in range(Lp)] for a in row] for row in self._anc_bits],
+                                     dtype=torch.bool, device=self.valid.device).view(len(self._anc_bits), Lp, Lp)
+        return self._anc
+
     # ---- commit / rollback ------------------------------------------------------------------------
-    def commit(self, keep: Tensor) -> None:
+    def commit(self, keep: Tensor, *, prefix: bool | None = None) -> None:
         """Moves the kept pending entries, per row, into the committed segment.
 
         Args:
             keep: [B, m] indices into the pending segment, in order; -1 leaves a hole (a row
                 that keeps fewer entries than another).
+            prefix: whether every row keeps entries 0 .. m-1 (a caller that built `keep` on the
+                host knows; None: checked here).
         """
         Lc, Lp = self.committed_len, self.pending_len
         B, m = keep.shape
         device = keep.device
         # Every row keeping the first m pending entries in order (target-only steps, a chain's
         # accepted prefix at batch 1) is a slice of the cache, not a gather of all of it.
-        prefix = m <= Lp and bool((keep == torch.arange(m, device=device)).all())
+        if prefix is None:
+            prefix = bool((keep == torch.arange(m, device=device)).all())
+        prefix = prefix and m <= Lp
         idx = None if prefix else torch.cat([torch.arange(Lc, device=device).expand(B, Lc), Lc + keep.clamp(min=0)], 1)
         for layer in self._layers():
-            if layer.keys.shape[-2] != Lc + Lp:
+            if layer.length != Lc + Lp:
                 raise RuntimeError("cache layer length out of sync with KVState (roll back drafts first)")
             if prefix:
                 layer.truncate(Lc + m)
             else:
                 layer.gather(idx)
-        k = keep.clamp(min=0)
-        kept_valid = (keep >= 0) & self.pend_valid.gather(1, k)
+        if prefix:
+            kept_valid, kept_pos = self.pend_valid[:, :m], self.pend_pos[:, :m]
+        else:
+            k = keep.clamp(min=0)
+            kept_valid, kept_pos = (keep >= 0) & self.pend_valid.gather(1, k), self.pend_pos.gather(1, k)
         self.valid = torch.cat([self.valid, kept_valid], 1)
-        self.pos = torch.cat([self.pos, self.pend_pos.gather(1, k)], 1)
+        self.pos = torch.cat([self.pos, kept_pos], 1)
         self._clear_pending()
 
     def select_rows(self, idx: Tensor) -> None:
@@ -289,21 +351,27 @@ class KVState:
         self._clear_pending()
 
     def _layers(self) -> list[_GrowingLayer]:
-        """The cache layers holding entries."""
-        return [layer for layer in self.cache.layers
-                if getattr(layer, "is_initialized", False) and layer.keys is not None and layer.keys.shape[-2] > 0]
+        """The cache layers holding entries (every layer is a `_GrowingLayer`: see `__init__`)."""
+        return [layer for layer in self.cache.layers if layer.length]
 
     def _clear_pending(self) -> None:
-        B, device = self.valid.shape[0], self.valid.device
-        self.pend_valid = torch.zeros(B, 0, dtype=torch.bool, device=device)
-        self.pend_pos = torch.zeros(B, 0, dtype=torch.long, device=device)
-        self.pend_anc = torch.zeros(B, 0, 0, dtype=torch.bool, device=device)
+        self.pend_valid, self.pend_pos = self.valid[:, :0], self.pos[:, :0]  # empty views: no allocation
+        self._anc, self._anc_bits = None, [[] for _ in range(self.valid.shape[0])]
+
+
+#: `extend` builds ancestry in Python up to this many new tokens (batch x n) and pending entries
+_SMALL = 64
+_FILL: dict[tuple[torch.dtype, torch.device], tuple[Tensor, Tensor]] = {}
 
 
 def _additive(allowed: Tensor, dtype: torch.dtype) -> Tensor:
-    """[B, q, k] bool -> [B, 1, q, k] additive float mask (0 = attend)."""
-    mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
-    return mask.masked_fill_(~allowed, torch.finfo(dtype).min)[:, None]
+    """[B, q, k] bool -> [B, 1, q, k] additive float mask (0 = attend, the dtype's min = blocked)."""
+    key = (dtype, allowed.device)
+    if key not in _FILL:
+        _FILL[key] = (torch.zeros((), dtype=dtype, device=allowed.device),
+                      torch.full((), torch.finfo(dtype).min, dtype=dtype, device=allowed.device))
+    zero, blocked = _FILL[key]
+    return torch.where(allowed, zero, blocked)[:, None]
 
 
 def target_forward(model: nn.Module, kv: KVState, input_ids: Tensor, positions: Tensor, parents: Tensor,
@@ -328,13 +396,15 @@ def target_forward(model: nn.Module, kv: KVState, input_ids: Tensor, positions: 
     Returns:
         (logits [B, n, V] | argmax ids [B, n] | final hidden [B, n, H] | None, {index: hidden [B, n, H]}).
     """
-    dtype = next(model.parameters()).dtype
+    layers = cpu_layers.fused(model)
+    use_fused = layers is not None and input_ids.numel() <= cpu_layers.MAX_ROWS and not torch.is_grad_enabled()
+    # the fused layers add fp32 masks (a blocked entry's exp is 0 from either dtype's min)
+    dtype = torch.float32 if use_fused else next(model.parameters()).dtype
     mask = kv.extend(positions, parents, valid, dtype=dtype)
     head_module = model.get_output_embeddings()
     if head != "logits" and getattr(head_module, "bias", None) is not None:
         head = "logits" if head == "argmax" else head  # a biased head: keep the model's own path
-    layers = cpu_layers.fused(model)
-    if layers is not None and input_ids.numel() <= cpu_layers.MAX_ROWS and not torch.is_grad_enabled():
+    if use_fused:
         # one C++ call per decoder layer (kernels/cpu_layers.py); Gemma 3 has no final logit cap
         last, states = layers.forward(input_ids, positions, mask, kv.cache)
         hidden = {i: states[i] for i in hidden_ids}

@@ -75,11 +75,14 @@ class FusedGemma3:
             N-2's outputs, the final normed hidden).
         """
         B, n = input_ids.shape
-        h = self.body.embed_tokens(input_ids)
-        rope = {t: self.body.rotary_emb(h, positions, t) for t in set(self.types)}
+        h = self.body.embed_tokens(input_ids).contiguous()  # each layer returns a contiguous h
+        rope = {t: tuple(x.contiguous() for x in self.body.rotary_emb(h, positions, t)) for t in set(self.types)}
         if not isinstance(masks, dict):
             masks = {t: masks for t in set(self.types)}
-        flat = {t: m[:, 0].float().contiguous() for t, m in masks.items()}  # [B, n, L + n]
+        flat = {}  # [B, n, L + n] fp32, once per distinct mask (both types share one within the window)
+        for t, m in masks.items():
+            same = next((f for u, f in flat.items() if masks[u] is m), None)
+            flat[t] = same if same is not None else m[:, 0].float().contiguous()
         while len(cache.layers) < min(len(self.body.layers), len(self.weights)):  # nothing fed to them yet
             cache.layers.append(cache.layer_class_to_replicate())
         states = [h]
@@ -89,8 +92,7 @@ class FusedGemma3:
             layer, kind = cache.layers[i], self.types[i]
             kbuf, vbuf, L = layer.reserve((B, self.hkv), n, self.hd, h.dtype, h.device)
             cos, sin = rope[kind]
-            h = self.ext.gemma3_layer(h.contiguous(), w, scales, kbuf, vbuf, L,
-                                      cos.contiguous(), sin.contiguous(), flat[kind], self.hq, self.hkv,
+            h = self.ext.gemma3_layer(h, w, scales, kbuf, vbuf, L, cos, sin, flat[kind], self.hq, self.hkv,
                                       self.hd, self.eps, self.scaling, MAX_ROWS)
             layer.advance(n)
             states.append(h)

@@ -82,10 +82,11 @@ class EagleProposer(NodeDrafter):
     # ---- NodeDrafter hooks ----------------------------------------------------------------------
     def _run(self, ids: Tensor, hidden: Tensor, positions: Tensor, parent_slots: Tensor,
              valid: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        mask = self.kv.extend(positions, parent_slots, valid, dtype=hidden.dtype)
         layer = fused(self.drafter)  # one C++ call for the drafter's layer (decode/kernels/cpu_layers.py)
         if layer is not None and ids.numel() <= MAX_ROWS and not torch.is_grad_enabled():
+            mask = self.kv.extend(positions, parent_slots, valid)  # fp32, what the fused layer adds
             return layer.forward(ids, hidden, positions, mask, self.kv.cache)
+        mask = self.kv.extend(positions, parent_slots, valid, dtype=hidden.dtype)
         return self.drafter(ids, hidden, position_ids=positions, past_key_values=self.kv.cache,
                             attention_mask=mask)  # (logits [B, n, Vd], hidden_out [B, n, H])
 
@@ -96,6 +97,12 @@ class EagleProposer(NodeDrafter):
         todo = [seq[r + 1 :] for seq, r in zip(state.tokens, self.read)]
         feats = [torch.cat(f, 0)[-len(t):] if t else None for f, t in zip(self.feats, todo)]
         m = max(1, max(len(t) for t in todo))
+        if all(len(t) == m for t in todo):  # no padding (batch 1, or rows that accepted alike): fewer ops
+            pos = torch.tensor([list(range(r + 1, r + 1 + m)) for r in self.read], device=device)
+            parents = torch.tensor([[-1, *range(m - 1)]] * B, device=device)
+            logits, h_out = self._run(torch.tensor(todo, device=device), torch.stack(feats), pos, parents)
+            self.kv.commit(torch.arange(m, device=device).expand(B, m), prefix=True)
+            return self._caught_up(state, capacity, logits, h_out, dtype)
         ids = torch.zeros(B, m, dtype=torch.long, device=device)
         hid = torch.zeros(B, m, H, dtype=dtype, device=device)
         valid = torch.zeros(B, m, dtype=torch.bool, device=device)
@@ -112,9 +119,15 @@ class EagleProposer(NodeDrafter):
         parents = torch.where(valid & (col > 0) & valid.roll(1, 1), col - 1, -1)
         logits, h_out = self._run(ids, hid, pos, parents, valid)
         self.kv.commit(torch.where(valid, col, -1))
+        return self._caught_up(state, capacity, logits, h_out, dtype)
+
+    def _caught_up(self, state, capacity: int, logits: Tensor, h_out: Tensor, dtype: torch.dtype) -> tuple[Tensor, int]:
+        """After the catch-up forward: every token read, features used; the root's logits and
+        feature start the tree."""
+        B, H = h_out.shape[0], h_out.shape[-1]
         self.read = [len(seq) - 1 for seq in state.tokens]
         self.feats = [[] for _ in range(B)]
-        self._node_hidden = torch.zeros(B, capacity, H, dtype=dtype, device=device)
+        self._node_hidden = torch.zeros(B, capacity, H, dtype=dtype, device=h_out.device)
         self._node_hidden[:, 0] = h_out[:, -1]
         return logits[:, -1], -1
 

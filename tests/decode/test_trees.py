@@ -157,3 +157,38 @@ def test_self_drafting_static_tree_accepts_the_top1_branch(tree, tau):
     out = speculative_generate(model, load_proposer(model, model), ids, max_new_tokens=16, tree=tree,
                                eos_token_id=[])
     assert out.stats.tau == pytest.approx(tau)
+
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 3), st.lists(st.integers(1, 4), min_size=1, max_size=3), st.data())
+def test_mask_bookkeeping_in_python_equals_the_tensor_path(B, sizes, data):
+    """`KVState.extend` builds a decode step's ancestry in Python (bitmasks) and larger inputs'
+    with tensor ops; both give the same masks for any tree fed in pieces (padding, several
+    levels before a commit, switching between the two paths mid-tree) and the same commit."""
+    import drafttrain.decode.kv as kv_module
+
+    small, total = kv_module._SMALL, sum(sizes)
+    # per row, each node's parent: -1 (the committed sequence), an earlier node or -2 (padding)
+    parents = torch.tensor([[-1] + [data.draw(st.integers(-2, i - 1)) for i in range(1, total)] for _ in range(B)])
+    tensor_path = data.draw(st.lists(st.booleans(), min_size=len(sizes), max_size=len(sizes)))
+    keep = torch.tensor([[0] + [data.draw(st.sampled_from([-1, i])) for i in range(1, total)] for _ in range(B)])
+
+    def run(python_ok: bool) -> list[torch.Tensor]:
+        kv = KVState(B, torch.device("cpu"), layer_types=["sliding_attention", "full_attention"], sliding_window=4)
+        kv.valid, kv.pos = torch.tensor([[False, True, True]] * B), torch.tensor([[0, 0, 1]] * B)
+        out, fed = [], 0
+        for n, force in zip(sizes, tensor_path):
+            kv_module._SMALL = 0 if (force or not python_ok) else small
+            pos = 2 + torch.arange(fed, fed + n).expand(B, n)  # far enough apart to cross the window
+            masks = kv.extend(pos * 2, parents[:, fed:fed + n], dtype=torch.float32)
+            out += [masks["sliding_attention"], masks["full_attention"]]
+            fed += n
+        kv.commit(keep)
+        return out + [kv.valid, kv.pos]
+
+    try:
+        for a, b in zip(run(True), run(False), strict=True):
+            assert torch.equal(a, b)
+    finally:
+        kv_module._SMALL = small
