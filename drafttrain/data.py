@@ -69,7 +69,7 @@ from drafttrain.chat import (
     with_system_prompt,
 )
 from drafttrain.errors import DataError
-from drafttrain.records import FORMATS, normalize_record
+from drafttrain.records import FORMATS, jsonl_lines, normalize_record
 
 __all__ = [
     "DataConfig",
@@ -78,6 +78,7 @@ __all__ = [
     "build_datasets",
     "collate",
     "heldout_prompts",
+    "jsonl_lines",
     "load_conversations",
     "normalize_record",
     "render_prompt",
@@ -259,7 +260,7 @@ def _iter_records(files: list[Path], skipped: Counter):
     for f in files:
         text = f.read_text(encoding="utf-8", errors="replace")
         if f.suffix == ".jsonl":
-            for line in text.splitlines():
+            for line in jsonl_lines(text):
                 if not line.strip():
                     continue
                 try:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["FORMATS", "OPENAI_ROLES", "SHAREGPT_ROLES", "normalize_record"]
+__all__ = ["FORMATS", "OPENAI_ROLES", "SHAREGPT_ROLES", "jsonl_lines", "normalize_record"]
 
 FORMATS = ("auto", "sharegpt", "openai", "text")
 SHAREGPT_ROLES = {
@@ -100,3 +100,11 @@ def normalize_record(record: Any, fmt: str = "auto") -> tuple[list[dict[str, str
     if first_user is None or last_reply is None or last_reply < first_user:
         return None, "no_assistant_turn"
     return messages[: last_reply + 1], ""
+
+
+def jsonl_lines(text: str) -> list[str]:
+    """The lines of a JSON Lines text: split at "\\n" only. `str.splitlines` also splits at U+2028,
+    U+2029, U+0085 and form feeds, which JSON keeps raw inside strings (`json.dumps(...,
+    ensure_ascii=False)` writes them as they are): a record holding one came back as two broken
+    halves (the target's own answers do, now and then)."""
+    return text.split("\n")

@@ -36,6 +36,7 @@ from drafttrain.config import LINEAR_BACKEND_HELP, LINEAR_BACKENDS, field_
 from drafttrain.data import DataConfig
 from drafttrain.eos import eos_ids
 from drafttrain.errors import DataError
+from drafttrain.records import jsonl_lines
 
 ANSWER_DTYPES = ("auto", "target", "bfloat16")
 ANSWER_DTYPE_HELP = ("dtype the target answers in: target (as loaded), bfloat16, or auto (bfloat16 through "
@@ -86,7 +87,7 @@ def read_done(path: Path) -> set[str]:
         with open(path, "r+b") as f:
             f.truncate(keep)
     done = set()
-    for line in raw[:keep].decode("utf-8").splitlines():
+    for line in jsonl_lines(raw[:keep].decode("utf-8")):
         if line.strip():
             done.add(json.loads(line)["id"])
     return done

