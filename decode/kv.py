@@ -218,11 +218,12 @@ class KVState:
         Lp = self.pending_len
         real = parents != -2
         valid = real if valid is None else valid & real
+        pend_valid = torch.cat([self.pend_valid, valid], 1)  # [B, Lp + n]
         if B * n <= _SMALL and Lp + n <= _SMALL:
-            see_pend = self._see_pending_small(parents, valid, Lp)
+            see_pend = self._see_pending_small(parents, valid, pend_valid, Lp)
         else:
-            see_pend = self._see_pending(parents, valid, Lp)
-        self.pend_valid = torch.cat([self.pend_valid, valid], 1)  # [B, Lp + n]
+            see_pend = self._see_pending(parents, valid, pend_valid, Lp)
+        self.pend_valid = pend_valid
         self.pend_pos = torch.cat([self.pend_pos, positions], 1)
         see_comm = self.valid[:, None, :] & valid[:, :, None]  # [B, n, Lc]
         allowed = torch.cat([see_comm, see_pend], -1)  # [B, n, Lc + Lp + n]
@@ -236,22 +237,20 @@ class KVState:
         masks = {"full_attention": full, "sliding_attention": _additive(allowed & (near | ~valid[:, :, None]), dtype)}
         return {t: masks[t] for t in set(self.layer_types)}
 
-    def _see_pending_small(self, parents: Tensor, valid: Tensor, Lp: int) -> Tensor:
+    def _see_pending_small(self, parents: Tensor, valid: Tensor, pend_valid: Tensor, Lp: int) -> Tensor:
         """`_see_pending` for a few tokens, in Python over bitmasks (one per pending entry: its
         ancestors-or-self) instead of ~10 tensor ops per new token: a decode step's 1-6 tokens."""
         B, n = parents.shape
         par, val = parents.tolist(), valid.tolist()
         old = self._ancestor_bits()
-        pend_valid = self.pend_valid.tolist()
+        pend_valid = pend_valid.tolist()
         rows, bits = [], []
         for b in range(B):
             anc = list(old[b])
-            seen = sum(1 << i for i, v in enumerate(pend_valid[b]) if v)  # valid pending entries
+            seen = sum(1 << i for i, v in enumerate(pend_valid[b]) if v)  # valid pending entries, new ones too
             for j in range(n):
                 p, own = par[b][j], 1 << (Lp + j)
                 anc.append((anc[p] if p >= 0 else 0) | own)
-                if val[b][j]:
-                    seen |= own
             width = Lp + n
             rows.append([[bool((anc[Lp + j] & seen if val[b][j] else 1 << (Lp + j)) >> k & 1) for k in range(width)]
                          for j in range(n)])
@@ -259,7 +258,7 @@ class KVState:
         self._anc_bits, self._anc = bits, None
         return torch.tensor(rows, dtype=torch.bool, device=parents.device).view(B, n, Lp + n)
 
-    def _see_pending(self, parents: Tensor, valid: Tensor, Lp: int) -> Tensor:
+    def _see_pending(self, parents: Tensor, valid: Tensor, pend_valid: Tensor, Lp: int) -> Tensor:
         """[B, n, Lp + n] which pending entries (old and new) each new token sees: its tree ancestors
         and itself among the valid ones (padding sees only itself); records the new ancestry."""
         B, n = parents.shape
@@ -274,7 +273,6 @@ class KVState:
             anc_all[:, Lp + j] = inherited
         self._anc, self._anc_bits = anc_all, None
         anc_new = anc_all[:, Lp:]  # [B, n, Lp + n]
-        pend_valid = torch.cat([self.pend_valid, valid], 1)
         self_only = torch.zeros_like(anc_new)
         self_only[:, torch.arange(n), Lp + torch.arange(n)] = True
         return torch.where(valid[:, :, None], anc_new & pend_valid[:, None, :], self_only)
