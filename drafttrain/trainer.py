@@ -39,7 +39,7 @@ from drafttrain.distributed import (  # noqa: F401 (cpu_processes, cpu_threads: 
     gathered_drafter,
     launch_kwargs,
 )
-from drafttrain.errors import TrainingError
+from drafttrain.errors import ConfigError, TrainingError
 from drafttrain.methods.registry import get_method
 from drafttrain.progress import keep_alive
 from drafttrain.schedule import EpochSampler, Records, lr_lambda
@@ -211,6 +211,7 @@ class Run:
     optimizer: object = None
     scheduler: object = None
     total_steps: int = 0
+    train_budget_s: float = 0.0  # train.lr_schedule=time: the training seconds the cosine spans
     extra_params: list = field(default_factory=list)
     state: dict = field(default_factory=dict)
     resumed_from: int | None = None
@@ -314,8 +315,29 @@ def _loaders_and_optimizer(run: Run) -> None:
     run.extra_params = adapter_params(run.target)  # an adapter on the target: clipped with the drafter
     steps_per_epoch = max(1, len(run.loader) // cfg.train.grad_accum)
     run.total_steps = cfg.train.max_steps or steps_per_epoch * cfg.train.epochs
+    if cfg.train.lr_schedule == "time" and not (cfg.train.max_minutes or cfg.train.run_minutes):
+        raise ConfigError("train.lr_schedule=time needs a time budget: set train.max_minutes or train.run_minutes "
+                          "(or use train.lr_schedule=steps)")
+    time_progress = (lambda: _time_progress(run)) if cfg.train.lr_schedule == "time" else None
     run.scheduler = torch.optim.lr_scheduler.LambdaLR(
-        run.optimizer, lr_lambda(cfg.train.warmup_steps, run.total_steps, cfg.train.min_lr_ratio))
+        run.optimizer, lr_lambda(cfg.train.warmup_steps, run.total_steps, cfg.train.min_lr_ratio, time_progress))
+
+
+def _time_progress(run: Run) -> float:
+    """The fraction of the training time budget used (train.lr_schedule=time); 0 before the loop."""
+    if not run.train_budget_s:
+        return 0.0
+    return run.state.get("train_time_s", 0.0) / run.train_budget_s
+
+
+def _train_budget_s(run: Run) -> float:
+    """Seconds of training the limits allow, counted from this process's first step (a resumed run's
+    training time so far included): train.max_minutes, or what train.run_minutes leaves."""
+    cfg, used = run.cfg.train, run.state["train_time_s"]
+    budgets = [60.0 * cfg.max_minutes] if cfg.max_minutes else []
+    if cfg.run_minutes:
+        budgets.append(used + 60.0 * cfg.run_minutes - FINISH_RESERVE_S - (time.time() - run.t_start))
+    return max(1.0, min(budgets)) if budgets else 0.0
 
 
 def _resume(run: Run) -> None:
@@ -421,6 +443,25 @@ def _periodic_evals(run: Run, bar) -> None:
         _save_drafter(run, raw, run.run_dir / "best_drafter", _extras(run, raw), card_summary=scores, metrics=scores)
 
 
+def _snapshots(run: Run) -> None:
+    """The drafter folder <run>/snapshots/train-<M>min once training time passes each of
+    train.snapshot_minutes: one per step, once each (also across a resume), at the same step on
+    every process (the gather under FSDP / ZeRO-3 is a collective)."""
+    cfg, state, acc = run.cfg, run.state, run.accelerator
+    done = state.setdefault("snapshots", [])
+    left = sorted(m for m in cfg.train.snapshot_minutes if m not in done)
+    if not left or not agreed(acc, state["train_time_s"] >= 60 * left[0])[0]:
+        return
+    m = left[0]
+    raw = gathered_drafter(acc, run.drafter, run.target)
+    if acc.is_main_process:
+        folder = run.run_dir / "snapshots" / f"train-{m:g}min"
+        scores = {"step": state["step"], "train_time_s": round(state["train_time_s"], 1), "train_tokens": state["tokens"]}
+        _save_drafter(run, raw, folder, _extras(run, raw), card_summary=scores, metrics=scores)
+        log(acc, f"drafttrain: snapshot after {m:g} training minutes (step {state['step']}): {folder}")
+    done.append(m)
+
+
 #: seconds `train.run_minutes` keeps for what follows training: the final checkpoint, held-out eval
 #: and drafter folder (session 21, default recipe on a 2-core Zen 2: ~20 s)
 FINISH_RESERVE_S = 60.0
@@ -441,6 +482,7 @@ def after_step(run: Run, stop: StopFlag, bar) -> str | None:
         why = (f"train.max_minutes={cfg.train.max_minutes}" if over_train else
                f"train.run_minutes={cfg.train.run_minutes} (the whole run, {(time.time() - run.t_start) / 60:.1f} min so far)")
         log(acc, f"drafttrain: {why} reached at step {state['step']}")
+    _snapshots(run)
     if cfg.train.save_every and state["step"] % cfg.train.save_every == 0 or stop_now:
         save_checkpoint(acc, run.run_dir, state, run.scheduler, cfg.train.keep_checkpoints)
     if stop_now:
@@ -488,6 +530,7 @@ def run_loop(run: Run) -> str:
     bar = tqdm(total=run.total_steps, initial=state["step"], desc=f"train {run.cfg.method}", unit="step",
                disable=not run.accelerator.is_main_process, dynamic_ncols=True)
     t_loop = time.time() - state["train_time_s"]
+    run.train_budget_s = _train_budget_s(run)
     run.drafter.train()
     outcome = "done"
     with StopFlag() as stop, keep_alive(bar):  # the bar's clock moves during long steps too

@@ -169,6 +169,60 @@ def test_run_minutes_stops_training_when_the_whole_run_is_out_of_time(target_dir
     assert train(cfg_for(target_dirs["llama"], chat_file, tmp_path / "full", *common))["steps"] == 6
 
 
+def _last_lr(run: Path) -> float:
+    from drafttrain.checkpoints import latest_checkpoint
+
+    return torch.load(latest_checkpoint(run) / "scheduler_lambda.pt", weights_only=False)["_last_lr"][0]
+
+
+def test_time_schedule_anneals_a_clock_stopped_run_and_snapshots_mark_its_minutes(target_dirs, chat_file,
+                                                                                  tmp_path, monkeypatch):
+    """A run the clock stops long before its step budget ends with the learning rate at the floor under
+    train.lr_schedule=time (the step schedule leaves it near the peak), and train.snapshot_minutes
+    leaves a loadable drafter per mark, from the step where training time passed it. The trainer's
+    clock is scripted: one second per reading (about one per step)."""
+    from types import SimpleNamespace
+
+    import drafttrain.trainer as trainer
+    from drafttrain.models.eagle import load_drafter
+    from drafttrain.targets import load_target
+
+    def run(name: str, *extra: str) -> dict:
+        now = [0.0]
+
+        def clock() -> float:
+            now[0] += 1.0
+            return now[0]
+
+        monkeypatch.setattr(trainer, "time", SimpleNamespace(time=clock))
+        return train(cfg_for(target_dirs["llama"], chat_file, tmp_path / name, "train.max_steps=100",
+                             "train.max_minutes=0.5", "train.lr=1e-3", "train.save_every=0", *extra))
+
+    by_time = run("time", "train.lr_schedule=time", "train.snapshot_minutes=[0.1,0.25]")
+    by_steps = run("steps")
+    assert 20 <= by_time["steps"] == by_steps["steps"] < 50  # stopped by the clock, not the step budget
+    assert _last_lr(tmp_path / "time") == pytest.approx(1e-4, rel=0.05)  # min_lr_ratio 0.1
+    assert _last_lr(tmp_path / "steps") > 7e-4
+    target, _, _ = load_target(str(target_dirs["llama"]), dtype="float32")
+    steps = []
+    for m in ("0.1", "0.25"):
+        folder = tmp_path / "time" / "snapshots" / f"train-{m}min"
+        load_drafter(folder, target)
+        metrics = json.loads((folder / "config.json").read_text())["metrics"]
+        assert metrics["train_time_s"] >= 60 * float(m)
+        steps.append(metrics["step"])
+    assert 0 < steps[0] < steps[1] < by_time["steps"]
+    assert not (tmp_path / "steps" / "snapshots").exists()
+    assert any(not torch.equal(v, weights(tmp_path / "time")[k]) for k, v in
+               load_file(str(tmp_path / "time" / "snapshots" / "train-0.1min" / "model.safetensors")).items())
+
+
+def test_time_schedule_without_a_time_budget_is_a_one_line_error(target_dirs, chat_file, tmp_path, capsys):
+    err = _one_line_error(capsys, ["train", f"target={target_dirs['llama']}", f"data.path={chat_file}",
+                                   f"output_dir={tmp_path}/run", "train.lr_schedule=time", *FAST])
+    assert "train.max_minutes" in err and "train.lr_schedule=steps" in err
+
+
 def _one_line_error(capsys, argv) -> str:
     code = main(argv)
     err = capsys.readouterr().err.strip()
