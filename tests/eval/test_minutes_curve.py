@@ -1,0 +1,49 @@
+"""bench/minutes_curve.py: the drafters of one run's snapshots matched to their training minutes."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parents[2] / "bench" / "minutes_curve.py"
+
+
+def _module():
+    spec = importlib.util.spec_from_file_location("minutes_curve", BENCH)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _drafter(folder: Path, metrics: dict) -> str:
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps({"metrics": metrics}))
+    return f"adaptive:{folder}"
+
+
+def _method(tau: float, speedup: float) -> dict:
+    return {"tau": tau, "speedup": {"vs_target": speedup}, "speedup_ci95_vs_target": [speedup - 0.1, speedup + 0.1],
+            "acceptance": [tau - 1.0]}
+
+
+def test_rows_follow_training_minutes_and_skip_what_the_run_did_not_train(tmp_path):
+    mc = _module()
+    run = tmp_path / "run"
+    late = _drafter(run / "snapshots" / "train-30min", {"step": 900, "train_time_s": 1801.0})
+    early = _drafter(run / "snapshots" / "train-10min", {"step": 300, "train_time_s": 600.5})
+    final = _drafter(run / "drafter", {"steps": 2400, "train_time_s": 4800.0})
+    other = _drafter(tmp_path / "elsewhere" / "drafter", {"steps": 5, "train_time_s": 60.0})
+    results = {"benchmark": {"name": "mtbench"}, "runs": [
+        {"temperature": t, "batch_size": 1, "methods": {
+            "target": {"speedup": {"vs_target": 1.0}},
+            late: _method(1.5 + t, 1.2), final: _method(1.7 + t, 1.3), early: _method(1.3 + t, 1.1),
+            other: _method(9.0, 9.0), "ngram": _method(4.0, 3.0)}} for t in (0.0, 1.0)]}
+    rows = mc.curve_rows(run, results)
+    assert [(r["temperature"], round(r["minutes"]), r["step"]) for r in rows] == [
+        (0.0, 10, 300), (0.0, 30, 900), (0.0, 80, 2400), (1.0, 10, 300), (1.0, 30, 900), (1.0, 80, 2400)]
+    table = mc.markdown(rows).splitlines()
+    assert len(table) == 2 + 3 and table[2].startswith("| 10 | 300 | 1.30 | 0.30 | 1.10 [1.00, 1.20] | 2.30")
+    png = tmp_path / "curve.png"
+    mc.plot(rows, png, "run")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
