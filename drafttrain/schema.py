@@ -83,7 +83,7 @@ class TrainSettings:
     grad_clip: float = field_(0.5, help="max gradient norm (0 = off)")
     warmup_steps: int = field_(20, help="linear warmup steps before cosine decay")
     min_lr_ratio: float = field_(0.1, help="cosine floor as a fraction of lr")
-    lr_schedule: str = field_("steps", help="what the cosine decays over: steps (epochs * steps per epoch, or max_steps) or time (the training time max_minutes / run_minutes leave, so a run the clock stops still ends at the floor; whichever of the two is further along)", choices=("steps", "time"))
+    lr_schedule: str = field_("steps", help="what the cosine decays over: steps (epochs * steps per epoch, or max_steps) or time (the training time max_minutes / run_minutes leave, so a run the clock stops still ends at the floor; whichever of the two is further along; without a time limit, the steps)", choices=("steps", "time"))
     max_steps: int = field_(0, help="optimizer steps; 0 = epochs * steps per epoch")
     epochs: int = field_(1, help="passes over the training split (used when max_steps = 0)")
     max_minutes: float = field_(0.0, help="stop (and save) after this many minutes of training; 0 = no limit")

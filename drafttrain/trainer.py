@@ -39,7 +39,7 @@ from drafttrain.distributed import (  # noqa: F401 (cpu_processes, cpu_threads: 
     gathered_drafter,
     launch_kwargs,
 )
-from drafttrain.errors import ConfigError, TrainingError
+from drafttrain.errors import TrainingError
 from drafttrain.methods.registry import get_method
 from drafttrain.progress import keep_alive
 from drafttrain.schedule import EpochSampler, Records, lr_lambda
@@ -315,16 +315,14 @@ def _loaders_and_optimizer(run: Run) -> None:
     run.extra_params = adapter_params(run.target)  # an adapter on the target: clipped with the drafter
     steps_per_epoch = max(1, len(run.loader) // cfg.train.grad_accum)
     run.total_steps = cfg.train.max_steps or steps_per_epoch * cfg.train.epochs
-    if cfg.train.lr_schedule == "time" and not (cfg.train.max_minutes or cfg.train.run_minutes):
-        raise ConfigError("train.lr_schedule=time needs a time budget: set train.max_minutes or train.run_minutes "
-                          "(or use train.lr_schedule=steps)")
     time_progress = (lambda: _time_progress(run)) if cfg.train.lr_schedule == "time" else None
     run.scheduler = torch.optim.lr_scheduler.LambdaLR(
         run.optimizer, lr_lambda(cfg.train.warmup_steps, run.total_steps, cfg.train.min_lr_ratio, time_progress))
 
 
 def _time_progress(run: Run) -> float:
-    """The fraction of the training time budget used (train.lr_schedule=time); 0 before the loop."""
+    """The fraction of the training time budget used (train.lr_schedule=time); 0 before the loop
+    and without a time limit (the cosine then follows the steps alone)."""
     if not run.train_budget_s:
         return 0.0
     return run.state.get("train_time_s", 0.0) / run.train_budget_s

@@ -217,12 +217,6 @@ def test_time_schedule_anneals_a_clock_stopped_run_and_snapshots_mark_its_minute
                load_file(str(tmp_path / "time" / "snapshots" / "train-0.1min" / "model.safetensors")).items())
 
 
-def test_time_schedule_without_a_time_budget_is_a_one_line_error(target_dirs, chat_file, tmp_path, capsys):
-    err = _one_line_error(capsys, ["train", f"target={target_dirs['llama']}", f"data.path={chat_file}",
-                                   f"output_dir={tmp_path}/run", "train.lr_schedule=time", *FAST])
-    assert "train.max_minutes" in err and "train.lr_schedule=steps" in err
-
-
 def _one_line_error(capsys, argv) -> str:
     code = main(argv)
     err = capsys.readouterr().err.strip()
