@@ -223,10 +223,11 @@ def training_feature_cache(target, train_ds, spec: FeatureSpec, cache_dir: Path,
     records = FeatureCache(cache_dir)
     stale = records.meta.get("records", fingerprint) != fingerprint
     if stale or len(records) != len(train_ds) or records.meta.get("aux_layer_ids") != spec.aux_layer_ids:
+        what = "other records (the same count, other tokens)" if stale and len(records) == len(train_ds) else (
+            f"{len(records)} records, aux {records.meta.get('aux_layer_ids')}")
         raise TrainingError(
-            f"feature cache {cache_dir} does not match this config ({len(records)} records, aux "
-            f"{records.meta.get('aux_layer_ids')} vs {len(train_ds)} records, aux {spec.aux_layer_ids}); "
-            f"delete it or set features.cache_dir to another folder"
+            f"feature cache {cache_dir} does not match this config: it holds {what}, this run trains "
+            f"{len(train_ds)} records, aux {spec.aux_layer_ids}; delete it or set features.cache_dir to another folder"
         )
     return records
 
