@@ -54,6 +54,18 @@ def agreed(accelerator, *flags: bool) -> tuple[bool, ...]:
     return tuple(bool(v) for v in accelerator.reduce(t, reduction="sum").tolist())
 
 
+def max_over_processes(accelerator, value: float) -> float:
+    """The largest of each process's `value` (the training clock under train.lr_schedule=time: every
+    process must set the same learning rate, or DDP replicas drift apart)."""
+    if accelerator.num_processes == 1:
+        return value
+    import torch.distributed as dist
+
+    t = torch.tensor([value], dtype=torch.float64, device=accelerator.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
 class StopFlag:
     """SIGTERM / SIGINT: finish the current step, save a checkpoint, exit cleanly."""
 

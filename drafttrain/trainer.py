@@ -38,6 +38,7 @@ from drafttrain.distributed import (  # noqa: F401 (cpu_processes, cpu_threads: 
     full_replica,
     gathered_drafter,
     launch_kwargs,
+    max_over_processes,
 )
 from drafttrain.errors import TrainingError
 from drafttrain.methods.registry import get_method
@@ -352,7 +353,8 @@ def train_step(run: Run, batch: dict) -> tuple[dict, int]:
 def _log_step(run: Run, bar, t_loop: float) -> None:
     """Bar and tracker after an optimizer step (a logged window starts afresh)."""
     cfg, state = run.cfg, run.state
-    state["train_time_s"] = time.time() - t_loop
+    elapsed = time.time() - t_loop
+    state["train_time_s"] = max_over_processes(run.accelerator, elapsed) if run.train_budget_s else elapsed
     s = run.window.summary("train")
     bar.update(1)
     bar.set_postfix(loss=f"{s['train/loss']:.3f}", acc0=f"{s.get('train/acc_0', 0):.2f}", tau=f"{s['train/tau_sim']:.2f}")
@@ -473,7 +475,7 @@ def run_loop(run: Run) -> str:
     bar = tqdm(total=run.total_steps, initial=state["step"], desc=f"train {run.cfg.method}", unit="step",
                disable=not run.accelerator.is_main_process, dynamic_ncols=True)
     t_loop = time.time() - state["train_time_s"]
-    run.train_budget_s = _train_budget_s(run)
+    run.train_budget_s = max_over_processes(run.accelerator, _train_budget_s(run))  # one schedule for all processes
     run.drafter.train()
     outcome = "done"
     with StopFlag() as stop, keep_alive(bar):  # the bar's clock moves during long steps too

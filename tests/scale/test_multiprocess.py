@@ -45,8 +45,12 @@ def _summary(run_dir) -> dict:
 
 def test_ddp_two_processes_match_one_process(one_process_run, tiny_dir, uniform_chat, tmp_path, run):
     out = tmp_path / "ddp"
-    p = run(train_cmd(_args(tiny_dir, uniform_chat, out, "train.batch_size=2"), config="ddp.yaml", nproc=2))
+    # The time schedule and a snapshot add collectives (the shared clock, the gather): they must not
+    # hang or split the replicas. An hour's budget leaves the cosine on the steps, as in the reference.
+    p = run(train_cmd(_args(tiny_dir, uniform_chat, out, "train.batch_size=2", "train.max_minutes=60",
+                            "train.lr_schedule=time", "train.snapshot_minutes=[0]"), config="ddp.yaml", nproc=2))
     assert p.returncode == 0, p.stderr[-3000:]
+    assert (out / "snapshots" / "train-0min" / "model.safetensors").is_file()
     assert _summary(out)["num_processes"] == 2  # really two processes, not two lone runs
     assert p.stdout.count("run finished") == 1  # the summary is printed once, by rank 0
     # 3 AdamW steps at lr 3e-3 move weights by ~1e-2; a different data split would show at that scale.
