@@ -45,7 +45,9 @@ rank build: cache writes are atomic renames), hidden-state features.
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import inspect
 import json
 import os
 import re
@@ -85,8 +87,10 @@ __all__ = [
     "tokenizer_hash",
 ]
 
-#: bump when parsing or normalising changes what a file yields: the parsed and tokenised caches are
-#: keyed by it (3: JSON Lines split at newlines only; version 2's entries had dropped records cut at U+2028)
+#: the parsed and tokenised caches are keyed by it and by the source code that parses, normalises and
+#: tokenises (`_code_key`: records.py, chat.py and the readers here), so an edit there re-parses by
+#: itself (session 25's JSONL fix did not reach training for a session: this key then was the version
+#: alone). Bump it for a change elsewhere that alters what a file yields. (3: JSON Lines split at newlines only)
 CACHE_VERSION = 3
 MESSAGE_FEATURES = datasets.Features(
     {
@@ -297,13 +301,31 @@ class _quiet_datasets:
             datasets.enable_progress_bars()
 
 
+@functools.cache
+def _code_key(stage: str) -> str:
+    """Hash of the source code whose output a cache holds: `parse` (records.py and the readers
+    here) or `tokenize` (that plus chat.py and `_tokenize`)."""
+    from drafttrain import chat, records
+
+    parts: list = [records, _iter_json_values, _iter_records, _record_key, _record_group, _WS_COMMA.pattern]
+    if stage == "tokenize":
+        parts += [chat, _tokenize]
+    h = hashlib.sha256()
+    for part in parts:
+        try:
+            h.update(part.encode() if isinstance(part, str) else inspect.getsource(part).encode())
+        except (OSError, TypeError):  # no source on disk (a frozen build): the version alone
+            h.update(repr(part).encode())
+    return h.hexdigest()[:10]
+
+
 def _load_normalized(cfg: DataConfig) -> tuple[datasets.Dataset, dict, str]:
     """Normalised conversations (cached as Arrow), the parse stats, and the file fingerprint."""
     if cfg.format not in FORMATS:
         raise DataError(f"unknown data.format {cfg.format!r}; expected one of {', '.join(FORMATS)}")
     files = _data_files(cfg.path)
     fp = _fingerprint(files)
-    entry = cache_root(cfg) / "conversations" / f"{fp}-{cfg.format}-v{CACHE_VERSION}"
+    entry = cache_root(cfg) / "conversations" / f"{fp}-{cfg.format}-v{CACHE_VERSION}-{_code_key('parse')}"
     if not (entry / "stats.json").exists():
 
         def write(tmp: Path) -> None:
@@ -438,7 +460,8 @@ def build_datasets(cfg: DataConfig, tokenizer) -> tuple[datasets.Dataset, datase
         raise DataError(str(e)) from None
     convs, stats, fp = _load_normalized(cfg)
     settings = {k: v for k, v in asdict(cfg).items() if k not in ("path", "cache_dir")}
-    settings.update(template=template, tokenizer=tokenizer_hash(tokenizer), files=fp, v=CACHE_VERSION)
+    settings.update(template=template, tokenizer=tokenizer_hash(tokenizer), files=fp, v=CACHE_VERSION,
+                    code=_code_key("tokenize"))
     key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
     entry = cache_root(cfg) / "tokenized" / key
 

@@ -189,6 +189,27 @@ def test_cache_hit_and_miss(tmp_path):
     )
 
 
+def test_a_parser_change_reparses_instead_of_serving_the_old_cache(tmp_path, monkeypatch):
+    # Session 25's JSONL fix sat unused behind a cache keyed by a version nobody bumped.
+    import drafttrain.data as data
+
+    path = _write(tmp_path / "d.jsonl", [_sharegpt(i) for i in range(6)], True)
+    assert len(load_conversations(_cfg(tmp_path, path))) == 6
+    reader = data._iter_records
+
+    def first_three(files, skipped):  # a "fixed" reader that now yields less
+        yield from list(reader(files, skipped))[:3]
+
+    monkeypatch.setattr(data, "_iter_records", first_three)
+    data._code_key.cache_clear()
+    try:
+        assert len(load_conversations(_cfg(tmp_path, path))) == 3
+    finally:
+        monkeypatch.undo()
+        data._code_key.cache_clear()
+    assert len(load_conversations(_cfg(tmp_path, path))) == 6
+
+
 def test_bad_records_counted_by_reason(tmp_path):
     tok = tiny_tokenizer(False)
     good = [_sharegpt(i) for i in range(4)]
