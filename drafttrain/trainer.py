@@ -356,6 +356,9 @@ def _log_step(run: Run, bar, t_loop: float) -> None:
     elapsed = time.time() - t_loop
     state["train_time_s"] = max_over_processes(run.accelerator, elapsed) if run.train_budget_s else elapsed
     s = run.window.summary("train")
+    if run.train_budget_s and state["step"] >= 5:  # the time limit ends the run first: the bar and its ETA say so
+        left = max(0.0, run.train_budget_s - state["train_time_s"])
+        bar.total = max(state["step"] + 1, min(run.total_steps, state["step"] + round(left * state["step"] / max(state["train_time_s"], 1e-9))))
     bar.update(1)
     bar.set_postfix(loss=f"{s['train/loss']:.3f}", acc0=f"{s.get('train/acc_0', 0):.2f}", tau=f"{s['train/tau_sim']:.2f}")
     if state["step"] % cfg.train.log_every == 0 or state["step"] == run.total_steps:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -176,7 +177,7 @@ def _last_lr(run: Path) -> float:
 
 
 def test_time_schedule_anneals_a_clock_stopped_run_and_snapshots_mark_its_minutes(target_dirs, chat_file,
-                                                                                  tmp_path, monkeypatch):
+                                                                                  tmp_path, monkeypatch, capsys):
     """A run the clock stops long before its step budget ends with the learning rate at the floor under
     train.lr_schedule=time (the step schedule leaves it near the peak), and train.snapshot_minutes
     leaves a loadable drafter per mark, from the step where training time passed it. The trainer's
@@ -199,6 +200,8 @@ def test_time_schedule_anneals_a_clock_stopped_run_and_snapshots_mark_its_minute
                              "train.max_minutes=0.5", "train.lr=1e-3", "train.save_every=0", *extra))
 
     by_time = run("time", "train.lr_schedule=time", "train.snapshot_minutes=[0.1,0.25]")
+    bars = re.findall(r"train \S+:.*?(\d+)/(\d+) \[", capsys.readouterr().err)
+    assert bars and int(bars[-1][1]) < 50  # the bar counts the steps the time limit allows, not the 100 budgeted
     by_steps = run("steps")
     assert 20 <= by_time["steps"] == by_steps["steps"] < 50  # stopped by the clock, not the step budget
     assert _last_lr(tmp_path / "time") == pytest.approx(1e-4, rel=0.05)  # min_lr_ratio 0.1
