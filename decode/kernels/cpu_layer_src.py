@@ -1,9 +1,12 @@
 """C++ source of one whole decoder layer per call (Gemma 3's, and the EAGLE-3 drafter's), for decode
-steps through the AVX2 kernel.
+steps through drafttrain's CPU kernels (AVX2, AVX-512 bf16, AMX).
 
-``LAYER_SOURCE`` is compiled into the AVX2 extension after `cpu_linear_src.NORM_SOURCE` and
-`cpu_linear_avx2_src.AVX2_SOURCE`, whose `rms_norm`, `bf16_linear_bf16`, `load_bf16x8` and `hsum` it
-calls. `cpu_layers` (the Python side) says why and what it measured.
+``LAYER_SOURCE`` is compiled into each kernel's extension after the sources that define what it
+calls: `rms_norm` (`cpu_linear_src.NORM_SOURCE`), `load_bf16x8` and `hsum` (AVX2 intrinsics, which
+every one of these CPUs has: `cpu_linear_avx2_src.AVX2_SOURCE`, or ``AVX2_HELPERS`` below for the
+AVX-512 extensions) and `layer_linear` (bf16 rows @ a bf16 weight -> bf16, each backend's routing of
+a projection: `AVX2_SOURCE`'s, or `cpu_linear_src.AVX512_LAYER_LINEAR`). `cpu_layers` (the Python
+side) says why and what it measured.
 
 Numerics: every step rounds to bf16 where the transformers layer's bf16 ops round (each norm, each
 projection, the rotary embedding's two products and their sum, the gelu, the gate product, each
@@ -165,12 +168,12 @@ torch::Tensor gemma3_layer(torch::Tensor h, std::vector<torch::Tensor> w, std::v
     const int64_t n = h.size(1), D = h.size(2), M = h.size(0) * n;
     auto h2 = h.view({M, D});
     auto x = rms_norm(h2, s[0], eps, false);
-    auto qkv = bf16_linear_bf16(x, w[0], chunk);  // [M, (Hq + 2 Hkv) hd]
+    auto qkv = layer_linear(x, w[0], chunk);  // [M, (Hq + 2 Hkv) hd]
     auto att = attention_block(qkv, &s[1], &s[2], eps, kbuf, vbuf, L, cos, sin, mask, n, Hq, Hkv, hd, scaling);
-    auto o = rms_norm(bf16_linear_bf16(att, w[1], chunk), s[3], eps, false);
+    auto o = rms_norm(layer_linear(att, w[1], chunk), s[3], eps, false);
     auto h1 = add_bf16(h2, o);
     auto x2 = rms_norm(h1, s[4], eps, false);
-    auto gu = bf16_linear_bf16(x2, w[2], chunk);  // [M, 2 I]: gate | up
+    auto gu = layer_linear(x2, w[2], chunk);  // [M, 2 I]: gate | up
     const int64_t I = gu.size(1) / 2;
     auto act = torch::empty({M, I}, h.options());
     uint16_t* ap = wbits(act);
@@ -181,7 +184,7 @@ torch::Tensor gemma3_layer(torch::Tensor h, std::vector<torch::Tensor> w, std::v
             ap[e] = norm_round(to_bf16(gelu_tanh(norm_widen(gup[m * 2 * I + i]))) * norm_widen(gup[m * 2 * I + I + i]));
         }
     });
-    auto f = rms_norm(bf16_linear_bf16(act, w[3], chunk), s[5], eps, false);
+    auto f = rms_norm(layer_linear(act, w[3], chunk), s[5], eps, false);
     return add_bf16(h1, f).view(h.sizes());
 }
 
@@ -201,10 +204,10 @@ torch::Tensor eagle3_layer(torch::Tensor e, torch::Tensor f, std::vector<torch::
     const int64_t n = e.size(1), H = e.size(2), M = e.size(0) * n;
     auto f2 = f.view({M, H});
     auto x = torch::cat({rms_norm(e.view({M, H}), s[0], eps, true), rms_norm(f2, s[1], eps, true)}, 1);  // [M, 2H]
-    auto qkv = bf16_linear_bf16(x, w[0], chunk);
+    auto qkv = layer_linear(x, w[0], chunk);
     auto att = attention_block(qkv, nullptr, nullptr, eps, kbuf, vbuf, L, cos, sin, mask, n, Hq, Hkv, hd, scaling);
-    auto h1 = add_bf16(f2, bf16_linear_bf16(att, w[1], chunk));
-    auto gu = bf16_linear_bf16(rms_norm(h1, s[2], eps, true), w[2], chunk);  // [M, 2 I]: gate | up
+    auto h1 = add_bf16(f2, layer_linear(att, w[1], chunk));
+    auto gu = layer_linear(rms_norm(h1, s[2], eps, true), w[2], chunk);  // [M, 2 I]: gate | up
     const int64_t I = gu.size(1) / 2;
     auto act = torch::empty({M, I}, e.options());
     uint16_t* ap = wbits(act);
@@ -214,11 +217,29 @@ torch::Tensor eagle3_layer(torch::Tensor e, torch::Tensor f, std::vector<torch::
             const float g = norm_widen(gup[m * 2 * I + i]);
             ap[m * I + i] = norm_round(to_bf16(g / (1.0f + std::exp(-g))) * norm_widen(gup[m * 2 * I + I + i]));
         }
-    return add_bf16(h1, bf16_linear_bf16(act, w[3], chunk)).view(e.sizes());
+    return add_bf16(h1, layer_linear(act, w[3], chunk)).view(e.sizes());
 }
 """
 
 LAYER_BINDINGS = r"""
-    m.def("gemma3_layer", &gemma3_layer, "one Gemma 3 decoder layer for a decode step (bf16, AVX2)");
-    m.def("eagle3_layer", &eagle3_layer, "one EAGLE-3 drafter layer for a draft step (bf16, AVX2)");
+    m.def("gemma3_layer", &gemma3_layer, "one Gemma 3 decoder layer for a decode step (bf16)");
+    m.def("eagle3_layer", &eagle3_layer, "one EAGLE-3 drafter layer for a draft step (bf16)");
+"""
+
+
+#: the AVX2 helpers LAYER_SOURCE's attention uses, for the AVX-512 extensions (the AVX2 one has them)
+AVX2_HELPERS = r"""
+#include <immintrin.h>
+
+static inline __m256 load_bf16x8(const uint16_t* p) {
+    __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
 """

@@ -1,4 +1,4 @@
-"""Gemma 3 decode steps with one C++ call per decoder layer, on CPUs that run the AVX2 kernel.
+"""Gemma 3 decode steps with one C++ call per decoder layer, on CPUs that run drafttrain's kernels.
 
 Why: with the AVX2 kernels, Gemma 3 270M's matmuls take 27 ms of a 38-39 ms greedy step on the
 2-core Zen 2 (`bench/decode_profile.py`, session 22): the rest is framework — about 2,000 small
@@ -7,10 +7,11 @@ add, SDPA's setup, residual adds) and transformers' Python around them, microsec
 a hand-written eager forward nor `torch.compile` of one with the kernels as custom ops helped there
 (session 23: 40 and 55 ms against transformers' 38-39): the cost is per op, not per Python line.
 Here one C++ function (`cpu_layer_src`) runs a whole layer — norms, the seven projections through
-the AVX2 kernel, the rotary embedding, the cache write, attention over the tree mask, the gated
+the backend's kernel (AVX2; AVX-512 bf16 / AMX since session 27, routed per shape as the linears
+are), the rotary embedding, the cache write, attention over the tree mask, the gated
 MLP — rounding to bf16 where transformers' bf16 ops round.
 
-What: `install` (called by `cpu_linear.install` for the avx2 backend) attaches a `FusedGemma3` to a
+What: `install` (called by `cpu_linear.install` for the backends in `FUSED_BACKENDS`) attaches a `FusedGemma3` to a
 Gemma 3 model whose linears and norms it routed; `fused(model)` returns it (None otherwise) and
 `kv.target_forward` runs decode steps of up to `MAX_ROWS` rows through it: embedding and rotary
 tables from the model's own modules, then one call per layer into the `KVState`'s growing cache
@@ -19,8 +20,7 @@ embeddings, i = layer i's output, the last one normed). Prefill (more rows) keep
 forward. `cpu_linear.uninstall` / `paused` detach it.
 
 Deliberately not here: other architectures (Llama / Qwen layers differ in norms and activation; they
-keep transformers' forward), logit soft caps (Gemma 2), the AVX-512 / AMX kernels (a separate
-extension; not measurable on this machine), training (no autograd).
+keep transformers' forward), logit soft caps (Gemma 2), training (no autograd).
 """
 
 from __future__ import annotations
@@ -32,10 +32,12 @@ from torch import Tensor, nn
 
 from drafttrain.textconfig import text_config
 
-__all__ = ["FusedEagle3", "FusedGemma3", "MAX_ROWS", "detached", "fused", "install", "uninstall"]
+__all__ = ["FUSED_BACKENDS", "FusedEagle3", "FusedGemma3", "MAX_ROWS", "detached", "fused", "install", "uninstall"]
 
 #: decode-step inputs (batch rows x tokens fed) served; larger (prefill) run through transformers
 MAX_ROWS = 64
+#: the kernels whose extension holds the fused layers (cpu_layer_src)
+FUSED_BACKENDS = ("avx2", "avx512", "amx")
 _ATTR = "_drafttrain_fused_layers"
 
 
@@ -160,7 +162,7 @@ def fused(model: nn.Module) -> FusedGemma3 | FusedEagle3 | None:
 
 def _reason(model: nn.Module, backend: str) -> str | None:
     """Why `model` cannot take the fused layers (None: it can)."""
-    if backend != "avx2":
+    if backend not in FUSED_BACKENDS:
         return f"the {backend} kernel has no fused layer"
     body = model.get_decoder() if hasattr(model, "get_decoder") and hasattr(model, "config") else None
     layers = getattr(body, "layers", None)
@@ -178,7 +180,7 @@ def _reason(model: nn.Module, backend: str) -> str | None:
 def _install_eagle3(drafter: nn.Module, backend: str, ext) -> bool:
     """Attaches a `FusedEagle3` to a bf16 EAGLE-3 drafter whose three layer norms `cpu_linear.install`
     routed in the round-first formula (the only one the C++ layer computes)."""
-    if backend != "avx2" or not getattr(drafter.cfg, "fused", False) or drafter.cfg.head_dim % 8:
+    if backend not in FUSED_BACKENDS or not getattr(drafter.cfg, "fused", False) or drafter.cfg.head_dim % 8:
         return False
     m = drafter.midlayer
     mods = (m.input_layernorm, m.hidden_norm, m.post_attention_layernorm)

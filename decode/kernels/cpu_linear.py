@@ -88,7 +88,7 @@ from drafttrain.decode.kernels import cpu_layers
 from drafttrain.decode.kernels import cpu_linear_avx2_src as _avx2_src
 from drafttrain.decode.kernels import cpu_linear_src as _src
 
-__all__ = ["KERNELS", "head_argmax", "routes", "BACKENDS", "available", "bf16_linear", "install", "installed_backend", "setup", "is_installed", "paused", "routed_norms",
+__all__ = ["KERNELS", "build_lock", "head_argmax", "routes", "BACKENDS", "available", "bf16_linear", "install", "installed_backend", "setup", "is_installed", "paused", "routed_norms",
            "uninstall", "resolve_backend", "wants_amx_linear", "wants_avx2_linear", "wants_avx512_linear"]
 
 BACKENDS = LINEAR_BACKENDS
@@ -113,9 +113,11 @@ class _Kernel:
             if self._ext is None:
                 from torch.utils.cpp_extension import load_inline
 
-                self._ext = load_inline(name=f"drafttrain_bf16_linear_{self.name}", cpp_sources=[self.source],
-                                        functions=None, extra_cflags=["-O3", *self.cflags, "-fopenmp"],
-                                        extra_ldflags=["-fopenmp"], verbose=False)
+                name = f"drafttrain_bf16_linear_{self.name}"
+                with build_lock(name):
+                    self._ext = load_inline(name=name, cpp_sources=[self.source],
+                                            functions=None, extra_cflags=["-O3", *self.cflags, "-fopenmp"],
+                                            extra_ldflags=["-fopenmp"], verbose=False)
             return self._ext
 
     def _amx_fits(self, flat: Tensor, w: Tensor) -> bool:
@@ -147,6 +149,50 @@ class _Kernel:
 
 _lock = threading.Lock()
 
+
+def _build_dir(name: str) -> Path | None:
+    try:  # private, but the one place that knows torch's folder layout (TORCH_EXTENSIONS_DIR, pyXY_cpu)
+        from torch.utils.cpp_extension import _get_build_directory
+
+        return Path(_get_build_directory(name, verbose=False))
+    except Exception:  # noqa: BLE001 - a torch without it: no stale-lock cleanup, torch's own wait
+        return None
+
+
+@contextmanager
+def build_lock(name: str):
+    """Hold an OS lock beside torch's build folder of extension `name` while it is loaded or built.
+
+    torch marks a build in progress with a plain file (`<build dir>/lock`) that every later load
+    waits on while it exists; a build killed midway (Ctrl-C, a timeout) leaves it behind, and
+    then every process that loads the kernel waits forever without a word. Every drafttrain
+    process builds under this lock (an `fcntl` lock the OS drops when its holder dies), so a torch
+    `lock` file found while holding it is stale: it is removed, with a line saying so.
+    """
+    folder = _build_dir(name)
+    if folder is None or sys.platform == "win32":
+        yield
+        return
+    import fcntl
+
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with open(folder.parent / f".{name}.drafttrain-lock", "a") as fh:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"drafttrain: waiting for another process building the {name} kernel in {folder}", file=sys.stderr, flush=True)
+            fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            stale = [folder / f for f in ("lock", ".ninja_lock") if (folder / f).exists()]
+            for f in stale:
+                f.unlink(missing_ok=True)
+            if stale:
+                print(f"drafttrain: removed {stale[0]} left by a killed kernel build (it would have made this "
+                      "load wait forever); building again", file=sys.stderr, flush=True)
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
 #: the kernels by backend name; `min_rows` / `max_rows`: the inputs each serves in one call (beyond
 #: `max_rows`, PyTorch's matmul, whose AMX / AVX-512 paths win on compute-bound work, except for
 #: the chunked avx2 kernel: PyTorch's bf16 matmul on AVX2 is slower than it at every row count)
@@ -154,10 +200,16 @@ KERNELS = {
     "avx2": _Kernel("avx2", _src.NORM_SOURCE + _avx2_src.AVX2_SOURCE + _layer_src.LAYER_SOURCE + _avx2_src.AVX2_BINDINGS
                     + _layer_src.LAYER_BINDINGS + "}\n", {"avx2", "fma"}, ["-mavx2", "-mfma"], (1, 64),
                     chunked=True),
-    "avx512": _Kernel("avx512", _src.NORM_SOURCE + _src.AVX512_SOURCE + _src.AVX512_BINDINGS, {"avx512f", "avx512bw", "avx512_bf16"},
-                      ["-mavx512f", "-mavx512bw", "-mavx512bf16"], (1, 8)),
-    "amx": _Kernel("amx", _src.NORM_SOURCE + _src.AVX512_SOURCE + _src.AMX_SOURCE, {"avx512f", "avx512bw", "avx512_bf16", "amx_tile", "amx_bf16"},
-                   ["-mavx512f", "-mavx512bw", "-mavx512bf16", "-mamx-tile", "-mamx-bf16"], (1, 16)),
+    # the AVX-512 extensions also hold the fused layers (cpu_layer_src), over their own `layer_linear`
+    "avx512": _Kernel("avx512", _src.NORM_SOURCE + _src.AVX512_SOURCE + _layer_src.AVX2_HELPERS + _src.avx512_layer_linear(False)
+                      + _layer_src.LAYER_SOURCE + _src.AVX512_BINDINGS + _layer_src.LAYER_BINDINGS + "}\n",
+                      {"avx512f", "avx512bw", "avx512_bf16", "avx2", "fma"},
+                      ["-mavx512f", "-mavx512bw", "-mavx512bf16", "-mavx2", "-mfma"], (1, 8)),
+    "amx": _Kernel("amx", _src.NORM_SOURCE + _src.AVX512_SOURCE + _src.AMX_SOURCE + _layer_src.AVX2_HELPERS
+                   + _src.avx512_layer_linear(True) + _layer_src.LAYER_SOURCE + _src.AVX512_BINDINGS + _src.AMX_BINDINGS
+                   + _layer_src.LAYER_BINDINGS + "}\n",
+                   {"avx512f", "avx512bw", "avx512_bf16", "amx_tile", "amx_bf16", "avx2", "fma"},
+                   ["-mavx512f", "-mavx512bw", "-mavx512bf16", "-mamx-tile", "-mamx-bf16", "-mavx2", "-mfma"], (1, 16)),
 }
 
 

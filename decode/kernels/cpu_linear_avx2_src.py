@@ -194,6 +194,11 @@ torch::Tensor bf16_linear_bf16(torch::Tensor x, torch::Tensor w, int64_t chunk) 
     return y;
 }
 
+// The fused layer's projections (cpu_layer_src): this kernel, chunked as a routed linear is.
+static inline torch::Tensor layer_linear(torch::Tensor x, torch::Tensor w, int64_t chunk) {
+    return bf16_linear_bf16(x, w, chunk);
+}
+
 // argmax over each row of fp32 y [M, O] after rounding to bf16 (what `y.to(bf16).argmax(-1)` gives:
 // nearest-even rounding, first maximum on ties), in one parallel pass without the bf16 copy. The
 // greedy LM head's epilogue: PyTorch's bf16 argmax over 262,144 logits took ~2 ms a row here.

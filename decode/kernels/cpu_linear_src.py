@@ -264,7 +264,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("bf16_linear_bf16x", &bf16_linear_bf16x, "x bf16 [M, K] @ w bf16 [O, K]^T -> fp32 [M, O]");
     m.def("bf16_linear_bf16", &bf16_linear_bf16, "x bf16 [..., K] @ w bf16 [O, K]^T -> bf16 [..., O]");
     m.def("bf16_linear_argmax", &bf16_linear_argmax, "argmax_o bf16(x bf16 [M, K] @ w bf16 [O, K]^T) -> int64 [M]");
-}
 """
 
 
@@ -399,14 +398,32 @@ torch::Tensor amx_linear_argmax(torch::Tensor x, torch::Tensor w) {
     return out;
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-    m.def("rms_norm", &rms_norm, "RMS norm of bf16 rows [M, D] with an fp32 scale [D] -> bf16 [M, D]");
-    m.def("bf16_linear_bf16x", &bf16_linear_bf16x, "x bf16 [M, K] @ w bf16 [O, K]^T -> fp32 [M, O]");
-    m.def("bf16_linear_bf16", &bf16_linear_bf16, "x bf16 [..., K] @ w bf16 [O, K]^T -> bf16 [..., O]");
-    m.def("bf16_linear_argmax", &bf16_linear_argmax, "argmax_o bf16(x bf16 [M, K] @ w bf16 [O, K]^T) -> int64 [M]");
+"""
+
+# The AMX extension's extra bindings, appended to AVX512_BINDINGS (left open: `cpu_linear` closes it).
+AMX_BINDINGS = r"""
     m.def("amx_available", &amx_available, "whether Linux granted this process AMX tile state");
     m.def("amx_linear", &amx_linear, "AMX: x bf16 [M <= 16, K] @ w bf16 [O, K]^T -> fp32 [M, O]");
     m.def("amx_linear_argmax", &amx_linear_argmax, "AMX: argmax_o bf16(x @ w^T) -> int64 [M]");
-}
+"""
+
+
+def avx512_layer_linear(amx: bool) -> str:
+    """C++ `layer_linear` for the AVX-512 / AMX extensions: the fused layer's projections (bf16 x
+    [..., K] @ w^T -> bf16 [..., O]), routed as `cpu_linear._Forward` routes a linear on that backend:
+    AMX tiles for 3-16 rows on its 32 grid, the AVX-512 tiles for the other shapes up to the
+    kernel's rows (16 with AMX, 8 without), PyTorch's matmul beyond."""
+    amx_rows = """
+    if (M >= 3 && M <= 16 && K % 32 == 0 && O % 32 == 0) {
+        auto shape = x.sizes().vec();
+        shape.back() = O;
+        return amx_linear(x.reshape({M, K}).contiguous(), w).to(torch::kBFloat16).view(shape);
+    }""" if amx else ""
+    return f"""
+static torch::Tensor layer_linear(torch::Tensor x, torch::Tensor w, int64_t) {{
+    const int64_t K = w.size(1), O = w.size(0), M = K ? x.numel() / K : 0;{amx_rows}
+    if (M <= {16 if amx else 8}) return bf16_linear_bf16(x, w);
+    return at::linear(x, w);
+}}
 """
 

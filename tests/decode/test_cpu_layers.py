@@ -1,4 +1,5 @@
-"""One C++ call per Gemma 3 decoder layer (decode/kernels/cpu_layers.py, through the AVX2 kernel):
+"""One C++ call per Gemma 3 decoder layer (decode/kernels/cpu_layers.py, through each kernel this CPU
+runs: AVX2 everywhere, AVX-512 bf16 and AMX where the CPU has them):
 a decode step through it gives the logits and hidden states transformers' forward gives over the
 same kernels (tree masks, a sliding window crossed, left padding, batch rows with holes), and
 greedy decoding through it matches PyTorch's up to bf16 near-ties.
@@ -23,9 +24,14 @@ from drafttrain.testing import tiny_target
 pytestmark = pytest.mark.skipif(not cpu_linear.available("avx2"), reason="needs an x86 CPU with AVX2/FMA and g++")
 
 
-def _bf16_gemma(**kw):
+@pytest.fixture(params=[b for b in cpu_layers.FUSED_BACKENDS if cpu_linear.available(b)])
+def backend(request) -> str:
+    return request.param
+
+
+def _bf16_gemma(backend: str, **kw):
     target = tiny_target("gemma3", dtype=torch.bfloat16, vocab_size=1031, **kw)
-    cpu_linear.install(target, "avx2")
+    cpu_linear.install(target, backend)
     return target
 
 
@@ -63,8 +69,8 @@ def _steps(target, fused: bool):
         return logits, hidden, after
 
 
-def test_gemma3_models_get_the_fused_layers_and_others_do_not():
-    target = _bf16_gemma()
+def test_gemma3_models_get_the_fused_layers_and_others_do_not(backend):
+    target = _bf16_gemma(backend)
     assert cpu_layers.fused(target) is not None
     with cpu_linear.paused(target):
         assert cpu_layers.fused(target) is None
@@ -72,15 +78,15 @@ def test_gemma3_models_get_the_fused_layers_and_others_do_not():
     cpu_linear.uninstall(target)
     assert cpu_layers.fused(target) is None
     llama = tiny_target("llama", dtype=torch.bfloat16, vocab_size=1031)
-    cpu_linear.install(llama, "avx2")
+    cpu_linear.install(llama, backend)
     assert cpu_layers.fused(llama) is None  # Llama keeps transformers' forward over the kernels
 
 
-def test_a_fused_step_gives_transformers_logits_and_hidden_states():
+def test_a_fused_step_gives_transformers_logits_and_hidden_states(backend):
     # Differences come only from rounding order (the attention sums over the whole context in fp32,
     # PyTorch's flash kernel rounds probabilities to bf16): a few bf16 steps at the tensor's scale.
     # A wrong mask, rotary embedding, head grouping or cache slot moves them by far more.
-    target = _bf16_gemma()
+    target = _bf16_gemma(backend)
     logits, hidden, after = _steps(target, fused=True)
     ref_logits, ref_hidden, ref_after = _steps(target, fused=False)
     assert set(hidden) == set(ref_hidden) == {0, 1, 2, 4}
@@ -92,9 +98,9 @@ def test_a_fused_step_gives_transformers_logits_and_hidden_states():
     assert (logits.argmax(-1) == ref_logits.argmax(-1)).float().mean() >= 0.9
 
 
-def test_a_truncated_model_runs_only_its_first_layers_through_the_fused_path():
+def test_a_truncated_model_runs_only_its_first_layers_through_the_fused_path(backend):
     # early-exit drafting runs the target's first K layers (`truncated_layers`) over its cache
-    target = _bf16_gemma()
+    target = _bf16_gemma(backend)
     ids = torch.randint(3, 1031, (1, 7), generator=torch.Generator().manual_seed(4))
     col = torch.arange(7)[None]
     got = {}
@@ -107,8 +113,8 @@ def test_a_truncated_model_runs_only_its_first_layers_through_the_fused_path():
     assert _ulps(got[True], got[False]) <= 4
 
 
-def test_greedy_decoding_through_the_fused_layers_matches_transformers_forward():
-    target = _bf16_gemma()
+def test_greedy_decoding_through_the_fused_layers_matches_transformers_forward(backend):
+    target = _bf16_gemma(backend)
     ids = torch.randint(3, 1031, (2, 9), generator=torch.Generator().manual_seed(3))
     fused = speculative_generate(target, None, ids, max_new_tokens=24, eos_token_id=-1)
     with cpu_layers.detached(target):
@@ -116,22 +122,22 @@ def test_greedy_decoding_through_the_fused_layers_matches_transformers_forward()
     assert_same_up_to_near_ties(target, ids, fused.sequences, plain.sequences)
 
 
-def _bf16_llama_with_eagle3(tmp_path):
-    """A bf16 Llama target routed through the AVX2 kernel and an EAGLE-3 drafter loaded for it from
+def _bf16_llama_with_eagle3(tmp_path, backend: str):
+    """A bf16 Llama target routed through `backend`'s kernel and an EAGLE-3 drafter loaded for it from
     its folder (so routed and fused as `drafttrain eval` loads one), its norm weights randomised."""
     from drafttrain.decode.proposers import load_proposer
 
     target = tiny_target("llama", dtype=torch.bfloat16, vocab_size=257)
     folder = eagle3_folder(tmp_path, target, random_norms=True)
-    cpu_linear.install(target, "avx2")
+    cpu_linear.install(target, backend)
     return target, load_proposer(str(folder), target)
 
 
-def test_a_fused_eagle3_draft_step_gives_the_drafters_own_logits_and_features(tmp_path):
+def test_a_fused_eagle3_draft_step_gives_the_drafters_own_logits_and_features(tmp_path, backend):
     """The EAGLE-3 drafter's layer as one C++ call (catch-up over left-padded rows, then a branching
     tree of drafts over the growing cache) gives the logits and output features of the drafter's own
     PyTorch forward over the same kernels, within a few bf16 steps (attention sums differ)."""
-    target, proposer = _bf16_llama_with_eagle3(tmp_path)
+    target, proposer = _bf16_llama_with_eagle3(tmp_path, backend)
     try:
         assert isinstance(cpu_layers.fused(proposer.drafter), cpu_layers.FusedEagle3)
         H = proposer.drafter.cfg.hidden_size

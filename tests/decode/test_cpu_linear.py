@@ -321,3 +321,17 @@ def test_a_loaded_drafter_runs_through_the_targets_kernel(tmp_path, backend):
     finally:
         cpu_linear.uninstall(target)
     assert_same_up_to_near_ties(target, ids, spec.sequences, alone.sequences)
+
+
+def test_a_killed_builds_lock_file_is_removed_instead_of_hanging_every_later_load(tmp_path, monkeypatch, capsys):
+    # torch waits forever on `<build dir>/lock` while it exists; a build killed midway leaves it.
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    folder = tmp_path / "drafttrain_probe"
+    folder.mkdir()
+    (folder / "lock").touch()
+    with cpu_linear.build_lock("drafttrain_probe"):
+        assert not (folder / "lock").exists()
+    assert "removed" in capsys.readouterr().err
+    with cpu_linear.build_lock("drafttrain_probe"):  # nothing stale: nothing said
+        pass
+    assert capsys.readouterr().err == ""
