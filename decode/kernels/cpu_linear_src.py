@@ -290,7 +290,10 @@ struct TileConfig {
 
 // For each block of 32 weight rows: C (tiles 0, 1: 16 weight rows x N rows of x each) += A (tiles
 // 2, 3: 16 weight rows x 32 k, loaded straight from w) . B (tile 4: x packed as [K/2][N][2] bf16
-// pairs, tiny and L1-resident). The block one ahead is prefetched line by line across the k loop.
+// pairs, tiny and L1-resident). The block one ahead is prefetched line by line across the k loop into
+// L2 (_MM_HINT_T1): into L1 (T0), the two blocks in flight (80 KB at K = 640) overflowed its 48 KB
+// and evicted each other (session 27, Xeon, interleaved medians of 9, Gemma 3 270M shapes, 3 / 5 / 8
+// rows: layers 11.1 / 11.5 / 11.5 -> 10.0 / 10.2 / 10.4 ms, LM head 16.6 / 16.7 / 18.0 -> 14.4 / 14.6 / 14.9).
 // `sink(o, c)` receives the block's fp32 results c[h][i][n] for weight row o + 16h + i.
 template <typename Sink>
 static void amx_blocks(const uint16_t* xb, const uint16_t* w, int64_t N, int64_t K, int64_t O, Sink&& sink) {
@@ -311,7 +314,7 @@ static void amx_blocks(const uint16_t* xb, const uint16_t* w, int64_t N, int64_t
             _tile_zero(1);
             for (int64_t k = 0, it = 0; k < K; k += 32, ++it) {
                 if (pf)
-                    for (int64_t l = 0; l < per; ++l) _mm_prefetch(pf + (it * per + l) * 64, _MM_HINT_T0);
+                    for (int64_t l = 0; l < per; ++l) _mm_prefetch(pf + (it * per + l) * 64, _MM_HINT_T1);
                 _tile_loadd(4, xb + k * N, N * 4);
                 _tile_loadd(2, wb + k, K * 2);
                 _tile_loadd(3, wb + 16 * K + k, K * 2);
