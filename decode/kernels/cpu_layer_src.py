@@ -64,55 +64,87 @@ static void rope_inplace(torch::Tensor& t, const torch::Tensor& cos, const torch
 // Attention of the n new tokens of each of B rows over the T = L + n entries of their cache rows.
 // q: bf16 [B * n, Hq * hd]; kbuf / vbuf: bf16 [B, Hkv, cap, hd] (entries 0 .. T); mask: fp32 [B, n, T]
 // additive. Returns bf16 [B * n, Hq * hd]. fp32 sums, softmax over the whole row, one rounding.
+// The queries that share a KV head (Hq / Hkv heads x n tokens) walk its keys and values once
+// together, each key and value widened to fp32 once for all of them, split into as many tasks as
+// there are threads; each query's sums run in the same order as one query alone, so the result
+// does not depend on the split (session 27: a task per query re-read the whole cache per query,
+// 4 n times per layer for Gemma 3 270M's one KV head).
 static torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& kbuf, const torch::Tensor& vbuf,
                             const torch::Tensor& mask, int64_t n, int64_t T, int64_t Hq, int64_t Hkv,
                             int64_t hd, float scaling) {
-    const int64_t B = kbuf.size(0), cap = kbuf.size(2), groups = Hq / Hkv;
+    const int64_t B = kbuf.size(0), cap = kbuf.size(2), groups = Hq / Hkv, per_kv = groups * n;
+    const int64_t heads = B * Hkv, threads = std::max<int64_t>(1, at::get_num_threads());
+    const int64_t split = std::min<int64_t>(per_kv, (threads + heads - 1) / heads);
+    const int64_t chunk = (per_kv + split - 1) / split;
     auto out = torch::empty_like(q);
     const uint16_t *qp = bits(q), *kp = bits(kbuf), *vp = bits(vbuf);
     uint16_t* op = wbits(out);
     const float* mp = mask.data_ptr<float>();
-    at::parallel_for(0, B * Hq * n, 1, [&](int64_t begin, int64_t end) {
-        std::vector<float> score(T), qf(hd), acc(hd);
+    at::parallel_for(0, heads * split, 1, [&](int64_t begin, int64_t end) {
+        std::vector<float> score(chunk * T), qf(chunk * hd), acc(chunk * hd), kv(hd);
+        std::vector<const float*> mrow(chunk);
+        std::vector<float> mx(chunk), sum(chunk);
         for (int64_t task = begin; task < end; ++task) {
-            const int64_t b = task / (Hq * n), h = (task / n) % Hq, j = task % n, g = h / groups;
-            const uint16_t* qr = qp + ((b * n + j) * Hq + h) * hd;
-            for (int64_t d = 0; d < hd; ++d) qf[d] = norm_widen(qr[d]);
+            const int64_t b = task / (Hkv * split), g = (task / split) % Hkv, c = task % split;
+            const int64_t q0 = c * chunk, Q = std::min(per_kv, q0 + chunk) - q0;
+            if (Q <= 0) continue;
+            for (int64_t i = 0; i < Q; ++i) {  // query q0 + i of this KV head: head g * groups + (q0 + i) / n, token (q0 + i) % n
+                const int64_t h = g * groups + (q0 + i) / n, j = (q0 + i) % n;
+                const uint16_t* qr = qp + ((b * n + j) * Hq + h) * hd;
+                for (int64_t d = 0; d < hd; ++d) qf[i * hd + d] = norm_widen(qr[d]);
+                mrow[i] = mp + (b * n + j) * T;
+                mx[i] = -INFINITY;
+            }
             const uint16_t* kb = kp + (b * Hkv + g) * cap * hd;
             const uint16_t* vb = vp + (b * Hkv + g) * cap * hd;
-            const float* mr = mp + (b * n + j) * T;
-            float mx = -INFINITY;
             for (int64_t t = 0; t < T; ++t) {
-                // four partial sums (hd a multiple of 32) or one: q.k is a chain of hd / 8 FMAs, and
-                // one accumulator made it wait on the FMA latency at every key
-                __m256 s = _mm256_setzero_ps(), s1 = s, s2 = s, s3 = s;
-                int64_t d = 0;
-                for (; d + 32 <= hd; d += 32) {
-                    const uint16_t* kr = kb + t * hd + d;
-                    s = _mm256_fmadd_ps(_mm256_loadu_ps(qf.data() + d), load_bf16x8(kr), s);
-                    s1 = _mm256_fmadd_ps(_mm256_loadu_ps(qf.data() + d + 8), load_bf16x8(kr + 8), s1);
-                    s2 = _mm256_fmadd_ps(_mm256_loadu_ps(qf.data() + d + 16), load_bf16x8(kr + 16), s2);
-                    s3 = _mm256_fmadd_ps(_mm256_loadu_ps(qf.data() + d + 24), load_bf16x8(kr + 24), s3);
+                for (int64_t d = 0; d < hd; ++d) kv[d] = norm_widen(kb[t * hd + d]);
+                for (int64_t i = 0; i < Q; ++i) {
+                    // four partial sums (hd a multiple of 32) or one: q.k is a chain of hd / 8 FMAs, and
+                    // one accumulator made it wait on the FMA latency at every key
+                    const float* qi = qf.data() + i * hd;
+                    __m256 s = _mm256_setzero_ps(), s1 = s, s2 = s, s3 = s;
+                    int64_t d = 0;
+                    for (; d + 32 <= hd; d += 32) {
+                        s = _mm256_fmadd_ps(_mm256_loadu_ps(qi + d), _mm256_loadu_ps(kv.data() + d), s);
+                        s1 = _mm256_fmadd_ps(_mm256_loadu_ps(qi + d + 8), _mm256_loadu_ps(kv.data() + d + 8), s1);
+                        s2 = _mm256_fmadd_ps(_mm256_loadu_ps(qi + d + 16), _mm256_loadu_ps(kv.data() + d + 16), s2);
+                        s3 = _mm256_fmadd_ps(_mm256_loadu_ps(qi + d + 24), _mm256_loadu_ps(kv.data() + d + 24), s3);
+                    }
+                    for (; d < hd; d += 8)
+                        s = _mm256_fmadd_ps(_mm256_loadu_ps(qi + d), _mm256_loadu_ps(kv.data() + d), s);
+                    s = _mm256_add_ps(_mm256_add_ps(s, s1), _mm256_add_ps(s2, s3));
+                    const float sc = hsum(s) * scaling + mrow[i][t];
+                    score[i * T + t] = sc;
+                    mx[i] = std::max(mx[i], sc);
                 }
-                for (; d < hd; d += 8)
-                    s = _mm256_fmadd_ps(_mm256_loadu_ps(qf.data() + d), load_bf16x8(kb + t * hd + d), s);
-                s = _mm256_add_ps(_mm256_add_ps(s, s1), _mm256_add_ps(s2, s3));
-                score[t] = hsum(s) * scaling + mr[t];
-                mx = std::max(mx, score[t]);
             }
-            float sum = 0.f;
-            for (int64_t t = 0; t < T; ++t) sum += (score[t] = std::exp(score[t] - mx));
-            std::fill(acc.begin(), acc.end(), 0.f);
+            for (int64_t i = 0; i < Q; ++i) {
+                float* si = score.data() + i * T;
+                float total = 0.f;
+                for (int64_t t = 0; t < T; ++t) total += (si[t] = std::exp(si[t] - mx[i]));
+                sum[i] = total;
+            }
+            std::fill(acc.begin(), acc.begin() + Q * hd, 0.f);
             for (int64_t t = 0; t < T; ++t) {
-                if (score[t] == 0.f) continue;
-                const __m256 p = _mm256_set1_ps(score[t]);
-                for (int64_t d = 0; d < hd; d += 8)
-                    _mm256_storeu_ps(acc.data() + d,
-                                     _mm256_fmadd_ps(p, load_bf16x8(vb + t * hd + d), _mm256_loadu_ps(acc.data() + d)));
+                bool any = false;
+                for (int64_t i = 0; i < Q && !any; ++i) any = score[i * T + t] != 0.f;
+                if (!any) continue;
+                for (int64_t d = 0; d < hd; ++d) kv[d] = norm_widen(vb[t * hd + d]);
+                for (int64_t i = 0; i < Q; ++i) {
+                    if (score[i * T + t] == 0.f) continue;
+                    const __m256 p = _mm256_set1_ps(score[i * T + t]);
+                    float* ai = acc.data() + i * hd;
+                    for (int64_t d = 0; d < hd; d += 8)
+                        _mm256_storeu_ps(ai + d, _mm256_fmadd_ps(p, _mm256_loadu_ps(kv.data() + d), _mm256_loadu_ps(ai + d)));
+                }
             }
-            uint16_t* orow = op + ((b * n + j) * Hq + h) * hd;
-            const float inv = 1.f / sum;
-            for (int64_t d = 0; d < hd; ++d) orow[d] = norm_round(acc[d] * inv);
+            for (int64_t i = 0; i < Q; ++i) {
+                const int64_t h = g * groups + (q0 + i) / n, j = (q0 + i) % n;
+                uint16_t* orow = op + ((b * n + j) * Hq + h) * hd;
+                const float inv = 1.f / sum[i];
+                for (int64_t d = 0; d < hd; ++d) orow[d] = norm_round(acc[i * hd + d] * inv);
+            }
         }
     });
     return out;

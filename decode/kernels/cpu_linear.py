@@ -47,7 +47,7 @@ holds), each compiled once per machine by `torch.utils.cpp_extension` into its c
   It also fuses the greedy head (`head_argmax`): argmax ids of the bf16 logits without writing
   them, which saves the [rows, 262144] argmax (1.7 ms for 1 row, 5 ms for 6).
 - ``amx``: AMX bf16 tiles (``tdpbf16ps``, 16 rows × 16 outputs × 32 weights per instruction) for
-  3 … 16 rows where K and O are multiples of 32; 1-2 rows and other shapes use the AVX-512 tiles
+  2 … 16 rows where K and O are multiples of 32 (3 … 16 before session 27); 1 row and other shapes use the AVX-512 tiles
   above. Linux grants tile state per process (``arch_prctl``), asked for once. `auto` prefers it
   where granted: session 14 (same machine, 15.5 GB/s) measured the layers / LM head at 23.7 / 24.3
   ms for 8 rows and 24.9 / 30.5 for 16 (AVX-512 35.8 / 42.9 and 59.7 / 87.9; PyTorch 36.2 / 45.6).
@@ -121,8 +121,9 @@ class _Kernel:
             return self._ext
 
     def _amx_fits(self, flat: Tensor, w: Tensor) -> bool:
-        # 1-2 rows: the AVX-512 tiles, 1-2 ms faster per step there (`bench/linear_kernels.py`)
-        return (self.name == "amx" and 3 <= flat.shape[0] <= 16 and flat.shape[1] % 32 == 0
+        # 1 row: the AVX-512 tiles (layers ~0.7 ms faster per step). 2 rows moved to AMX in session 27
+        # once its prefetch went to L2: 8.1 / 11.7 ms (layers / head) against the tiles' 8.5 / 13.6
+        return (self.name == "amx" and 2 <= flat.shape[0] <= 16 and flat.shape[1] % 32 == 0
                 and w.shape[0] % 32 == 0)
 
     def __call__(self, flat: Tensor, w: Tensor) -> Tensor:
@@ -321,8 +322,8 @@ class _Forward:
         elif module.bias is None and backend == "avx2":
             ext, chunk = k.load(), k.max_rows
             self.direct = lambda x, w: ext.bf16_linear_bf16(x, w, chunk)
-        # AMX serves 3+ rows where K and O sit on its 32 grid; below 3 rows the AVX-512 tiles do
-        self.direct_max = 2 if backend == "amx" and w.shape[0] % 32 == 0 and w.shape[1] % 32 == 0 else k.max_rows
+        # AMX serves 2+ rows where K and O sit on its 32 grid; 1 row the AVX-512 tiles do
+        self.direct_max = 1 if backend == "amx" and w.shape[0] % 32 == 0 and w.shape[1] % 32 == 0 else k.max_rows
         if backend == "avx2":
             self.direct_max = sys.maxsize  # chunked inside the call
 

@@ -171,3 +171,21 @@ def test_a_fused_eagle3_draft_step_gives_the_drafters_own_logits_and_features(tm
         assert _ulps(got[2], run(True)[2]) == 0  # and it is deterministic
     finally:
         cpu_linear.uninstall(target)
+
+
+def test_the_fused_attention_does_not_depend_on_how_many_threads_split_it(backend):
+    # queries sharing a KV head are split into one task per thread; each query's sums keep one order
+    target = _bf16_gemma(backend)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = _steps(target, fused=True)
+        torch.set_num_threads(3)
+        three = _steps(target, fused=True)
+    finally:
+        torch.set_num_threads(threads)
+    for a, b in zip(one, three):
+        if isinstance(a, dict):
+            assert all(torch.equal(a[k], b[k]) for k in a)
+        else:
+            assert torch.equal(a, b)
