@@ -12,7 +12,15 @@ rows of an eval's tokens.jsonl, T = 0), so the two can be compared on one text:
 It also prints how many of the target's tokens fall outside the draft vocabulary (a draft can
 never match those) and the teacher-forced chain tau, next to the same figures on held-out records.
 
+`--temperature 1` scores the eval's sampled target rows instead and adds what sampled drafting
+meets at the first step: the target's probability mass inside the draft vocabulary (full 262k
+softmax; a draft sampled from the reduced vocabulary is accepted with probability at most this),
+and sum over the draft vocabulary of min(p, q) with p the FULL softmax, against the training
+summary's `held-out T=1` figure, whose p is renormalised over the draft vocabulary (session 27:
+that figure read 0.60 while decoding accepted 0.44 at position 1).
+
     python bench/acceptance_gap.py runs/eagle/drafter runs/eval/s15-mtbench/tokens.jsonl
+    python bench/acceptance_gap.py runs/eagle/drafter runs/eval/s27-mtbench-final/tokens.jsonl --temperature 1
 """
 
 from __future__ import annotations
@@ -37,7 +45,7 @@ def _score(method, drafter, target, seqs: list[tuple[list[int], list[int]]], spe
     oov = tot = 0
     t2d = drafter.t2d
     strict = {"hit": [0] * steps, "n": [0] * steps, "run": 0, "roots": 0, "walk_cycles": 0, "walk_tokens": 0,
-              "walk_accept": [0] * steps}
+              "walk_accept": [0] * steps, "mass": 0.0, "accept_full": 0.0, "accept_renorm": 0.0, "mass_n": 0}
     for ids, scored in seqs:
         x = torch.tensor([ids])
         attn = torch.ones_like(x)
@@ -51,6 +59,7 @@ def _score(method, drafter, target, seqs: list[tuple[list[int], list[int]]], spe
         run_sum += m["run_len_sum"]
         run_n += m["run_len_n"]
         _strict(drafter, x, feats, mask, steps, strict)
+        _mass(drafter, target, x, feats, mask, strict)
         out = x[0][mask[0].bool()]
         oov += int((~t2d[out]).sum())
         tot += len(out)
@@ -59,7 +68,35 @@ def _score(method, drafter, target, seqs: list[tuple[list[int], list[int]]], spe
             "strict_tau": 1 + strict["run"] / max(strict["roots"], 1),
             "walk_tau": strict["walk_tokens"] / max(strict["walk_cycles"], 1),
             "walk_accept": [a / max(strict["walk_cycles"], 1) for a in strict["walk_accept"]],
-            "out_of_vocab": oov / max(tot, 1), "tokens": tot}
+            "out_of_vocab": oov / max(tot, 1), "tokens": tot,
+            "mass_in_vocab": strict["mass"] / max(strict["mass_n"], 1),
+            "accept_t1_full": strict["accept_full"] / max(strict["mass_n"], 1),
+            "accept_t1_renorm": strict["accept_renorm"] / max(strict["mass_n"], 1)}
+
+
+def _mass(drafter, target, x, feats, mask, acc: dict) -> None:
+    """At T=1, first draft step: per scored position, the target's full-vocabulary mass inside the
+    draft vocabulary, and sum min(p, q) with p the full softmax and with p renormalised over it."""
+    from drafttrain.features import _softcap, lm_head_weight, teacher_draft_logits
+
+    T = x.shape[1]
+    ids_ext = torch.cat([x, x.new_zeros(1, 2)], dim=1)
+    logits0 = drafter(ids_ext, feats["aux"].to(drafter.fc.weight.dtype), ttt_steps=1,
+                      valid=torch.ones_like(x).bool())[0][0][0, :T].float()  # base t predicts x_{t+2}
+    q = torch.softmax(logits0, -1)
+    final = feats["final"][0]  # [T, H]; the teacher of base t is the target at t + 1
+    ok = torch.cat([mask[0, 2:].bool(), torch.zeros(2, dtype=torch.bool)])[:T]
+    for t in ok.nonzero()[:, 0].tolist():
+        full = (final[t + 1: t + 2].to(lm_head_weight(target).dtype) @ lm_head_weight(target).t()).float()[0]
+        if cap := _softcap(target):
+            full = cap * torch.tanh(full / cap)
+        p = torch.softmax(full, -1)
+        pd = p[drafter.draft_ids]
+        renorm = torch.softmax(teacher_draft_logits(target, final[None, t + 1: t + 2], drafter.draft_ids)[0, 0], -1)
+        acc["mass"] += float(pd.sum())
+        acc["accept_full"] += float(torch.minimum(pd, q[t]).sum())
+        acc["accept_renorm"] += float(torch.minimum(renorm, q[t]).sum())
+        acc["mass_n"] += 1
 
 
 def _strict(drafter, x, feats, mask, steps: int, acc: dict) -> None:
@@ -103,7 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     ap.add_argument("drafter", help="an EAGLE-3 drafter folder")
-    ap.add_argument("tokens", help="an eval's tokens.jsonl (its target rows at temperature 0 are scored)")
+    ap.add_argument("tokens", help="an eval's tokens.jsonl (its target rows at --temperature are scored)")
+    ap.add_argument("--temperature", type=float, default=0.0, choices=[0.0, 1.0], help="which target rows to score")
     ap.add_argument("--bench", default="mtbench", help="the benchmark the eval ran (to rebuild its prompts)")
     ap.add_argument("--target", default="gemma-3-270m")
     ap.add_argument("--steps", type=int, default=4, help="unroll steps scored")
@@ -127,9 +165,9 @@ def main(argv: list[str] | None = None) -> int:
     by_id = {p.id: p for p in prompts}
     rows = [json.loads(line) for line in open(args.tokens)]
     seqs = [(list(by_id[r["id"]].ids) + r["tokens"], [0] * len(by_id[r["id"]].ids) + [1] * len(r["tokens"]))
-            for r in rows if r["method"] == "target" and r["temperature"] == 0.0 and r["id"] in by_id]
+            for r in rows if r["method"] == "target" and r["temperature"] == args.temperature and r["id"] in by_id]
     if not seqs:
-        print(f"error: {args.tokens} holds no target rows at temperature 0 for bench={args.bench}", file=sys.stderr)
+        print(f"error: {args.tokens} holds no target rows at temperature {args.temperature:g} for bench={args.bench}", file=sys.stderr)
         return 2
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         res = {"decoded": _score(method, drafter, target, seqs, spec, args.steps)}
@@ -152,6 +190,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{'':8s} strict (mapped argmax == the target's token): {strict}  tau {r['strict_tau']:.3f}")
         walk = " ".join(f"{a:.3f}" for a in r["walk_accept"])
         print(f"{'':8s} walked like a gamma-{args.steps} chain: accept@1.. {walk}  tau {r['walk_tau']:.3f}")
+        print(f"{'':8s} T=1, step 0: target mass inside the draft vocab {r['mass_in_vocab']:.3f}; sum min(p, q) "
+              f"{r['accept_t1_full']:.3f} with the full p, {r['accept_t1_renorm']:.3f} with p renormalised over it")
     return 0
 
 
