@@ -88,8 +88,10 @@ static torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& kbuf, c
             const int64_t b = task / (Hkv * split), g = (task / split) % Hkv, c = task % split;
             const int64_t q0 = c * chunk, Q = std::min(per_kv, q0 + chunk) - q0;
             if (Q <= 0) continue;
-            for (int64_t i = 0; i < Q; ++i) {  // query q0 + i of this KV head: head g * groups + (q0 + i) / n, token (q0 + i) % n
-                const int64_t h = g * groups + (q0 + i) / n, j = (q0 + i) % n;
+            // query qi of this KV head (0 .. per_kv): token qi % n of query head head_of(qi)
+            auto head_of = [&](int64_t qi) { return g * groups + qi / n; };
+            for (int64_t i = 0; i < Q; ++i) {
+                const int64_t h = head_of(q0 + i), j = (q0 + i) % n;
                 const uint16_t* qr = qp + ((b * n + j) * Hq + h) * hd;
                 for (int64_t d = 0; d < hd; ++d) qf[i * hd + d] = norm_widen(qr[d]);
                 mrow[i] = mp + (b * n + j) * T;
@@ -140,7 +142,7 @@ static torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& kbuf, c
                 }
             }
             for (int64_t i = 0; i < Q; ++i) {
-                const int64_t h = g * groups + (q0 + i) / n, j = (q0 + i) % n;
+                const int64_t h = head_of(q0 + i), j = (q0 + i) % n;
                 uint16_t* orow = op + ((b * n + j) * Hq + h) * hd;
                 const float inv = 1.f / sum[i];
                 for (int64_t d = 0; d < hd; ++d) orow[d] = norm_round(acc[i * hd + d] * inv);
