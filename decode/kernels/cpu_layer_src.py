@@ -3,8 +3,7 @@ steps through drafttrain's CPU kernels (AVX2, AVX-512 bf16, AMX).
 
 ``LAYER_SOURCE`` is compiled into each kernel's extension after the sources that define what it
 calls: `rms_norm` (`cpu_linear_src.NORM_SOURCE`), `load_bf16x8` and `hsum` (AVX2 intrinsics, which
-every one of these CPUs has: `cpu_linear_avx2_src.AVX2_SOURCE`, or ``AVX2_HELPERS`` below for the
-AVX-512 extensions) and `layer_linear` (bf16 rows @ a bf16 weight -> bf16, each backend's routing of
+every one of these CPUs has: `cpu_linear_avx2_src.AVX2_HELPERS`) and `layer_linear` (bf16 rows @ a bf16 weight -> bf16, each backend's routing of
 a projection: `AVX2_SOURCE`'s, or `cpu_linear_src.AVX512_LAYER_LINEAR`). `cpu_layers` (the Python
 side) says why and what it measured.
 
@@ -260,20 +259,3 @@ LAYER_BINDINGS = r"""
     m.def("eagle3_layer", &eagle3_layer, "one EAGLE-3 drafter layer for a draft step (bf16)");
 """
 
-
-#: the AVX2 helpers LAYER_SOURCE's attention uses, for the AVX-512 extensions (the AVX2 one has them)
-AVX2_HELPERS = r"""
-#include <immintrin.h>
-
-static inline __m256 load_bf16x8(const uint16_t* p) {
-    __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-
-static inline float hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-"""

@@ -202,11 +202,11 @@ KERNELS = {
                     + _layer_src.LAYER_BINDINGS + "}\n", {"avx2", "fma"}, ["-mavx2", "-mfma"], (1, 64),
                     chunked=True),
     # the AVX-512 extensions also hold the fused layers (cpu_layer_src), over their own `layer_linear`
-    "avx512": _Kernel("avx512", _src.NORM_SOURCE + _src.AVX512_SOURCE + _layer_src.AVX2_HELPERS + _src.avx512_layer_linear(False)
+    "avx512": _Kernel("avx512", _src.NORM_SOURCE + _src.AVX512_SOURCE + _avx2_src.AVX2_HELPERS + _src.avx512_layer_linear(False)
                       + _layer_src.LAYER_SOURCE + _src.AVX512_BINDINGS + _layer_src.LAYER_BINDINGS + "}\n",
                       {"avx512f", "avx512bw", "avx512_bf16", "avx2", "fma"},
                       ["-mavx512f", "-mavx512bw", "-mavx512bf16", "-mavx2", "-mfma"], (1, 8)),
-    "amx": _Kernel("amx", _src.NORM_SOURCE + _src.AVX512_SOURCE + _src.AMX_SOURCE + _layer_src.AVX2_HELPERS
+    "amx": _Kernel("amx", _src.NORM_SOURCE + _src.AVX512_SOURCE + _src.AMX_SOURCE + _avx2_src.AVX2_HELPERS
                    + _src.avx512_layer_linear(True) + _layer_src.LAYER_SOURCE + _src.AVX512_BINDINGS + _src.AMX_BINDINGS
                    + _layer_src.LAYER_BINDINGS + "}\n",
                    {"avx512f", "avx512bw", "avx512_bf16", "amx_tile", "amx_bf16", "avx2", "fma"},

@@ -8,13 +8,11 @@ after `cpu_linear_src.NORM_SOURCE` (whose `norm_widen` / `norm_round` it uses) a
 `cpu_layer_src.LAYER_SOURCE` (one Gemma 3 layer per call, built on these kernels). `cpu_linear`'s docstring gives the numbers and the routing.
 """
 
-AVX2_SOURCE = r"""
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#: bf16 x 8 -> fp32 lanes and a horizontal sum: this kernel's, and the fused layers' attention in every
+#: extension (`cpu_layer_src`; the AVX-512 ones prepend these too)
+AVX2_HELPERS = r"""
 #include <immintrin.h>
-#include <algorithm>
 #include <cstdint>
-#include <vector>
 
 static inline __m256 load_bf16x8(const uint16_t* p) {
     __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
@@ -27,6 +25,13 @@ static inline float hsum(__m256 v) {
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
 }
+"""
+
+AVX2_SOURCE = AVX2_HELPERS + r"""
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <algorithm>
+#include <vector>
 
 static inline float bf16_to_f32(uint16_t v) {
     uint32_t u = static_cast<uint32_t>(v) << 16;
