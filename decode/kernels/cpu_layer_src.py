@@ -25,6 +25,74 @@ static inline float gelu_tanh(float x) {  // what F.gelu(x, approximate="tanh") 
 
 static inline float to_bf16(float f) { return norm_widen(norm_round(f)); }
 
+// PyTorch's own vectorised tanh and exp (the SLEEF functions libtorch_cpu bundles and exports, 1 ulp):
+// what its bf16 gelu computes on AVX2, 8 lanes at a time. Scalar std::tanh cost ~30 ns an element,
+// 3 ms of a 5-token Gemma 3 270M step (2048 x 5 x 18 of them; perf, session 28).
+extern "C" __m256 Sleef_tanhf8_u10avx2(__m256);
+extern "C" __m256 Sleef_expf8_u10avx2(__m256);
+
+// 8 fp32 lanes -> their bf16 bits (low half of each lane), rounded to nearest even as norm_round
+static inline __m256i bf16_bits8(__m256 v) {
+    const __m256i u = _mm256_castps_si256(v);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), lsb), 16);
+    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    return _mm256_blendv_epi8(r, _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40)), nan);
+}
+
+static inline __m256 to_bf16x8(__m256 v) { return _mm256_castsi256_ps(_mm256_slli_epi32(bf16_bits8(v), 16)); }
+
+static inline void store_bf16x8(uint16_t* p, __m256 v) {
+    const __m256i b = bf16_bits8(v);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
+                     _mm_packus_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1)));
+}
+
+// act[i] = bf16(bf16(gelu_tanh(g[i])) u[i]) for i < I (Gemma 3's gated MLP), 8 lanes at a time
+static void gelu_gate(const uint16_t* g, const uint16_t* u, uint16_t* act, int64_t I) {
+    const __m256 k0 = _mm256_set1_ps(0.7978845608028654f), k1 = _mm256_set1_ps(0.044715f);
+    const __m256 half = _mm256_set1_ps(0.5f), one = _mm256_set1_ps(1.0f);
+    int64_t i = 0;
+    for (; i + 8 <= I; i += 8) {
+        const __m256 x = load_bf16x8(g + i);
+        const __m256 cube = _mm256_mul_ps(_mm256_mul_ps(x, x), x);
+        const __m256 t = Sleef_tanhf8_u10avx2(_mm256_mul_ps(k0, _mm256_add_ps(x, _mm256_mul_ps(k1, cube))));
+        const __m256 y = _mm256_mul_ps(_mm256_mul_ps(half, x), _mm256_add_ps(one, t));
+        store_bf16x8(act + i, _mm256_mul_ps(to_bf16x8(y), load_bf16x8(u + i)));
+    }
+    for (; i < I; ++i) act[i] = norm_round(to_bf16(gelu_tanh(norm_widen(g[i]))) * norm_widen(u[i]));
+}
+
+// act[i] = bf16(bf16(silu(g[i])) u[i]) for i < I (the drafter's SiLU-gated MLP), 8 lanes at a time
+static void silu_gate(const uint16_t* g, const uint16_t* u, uint16_t* act, int64_t I) {
+    const __m256 one = _mm256_set1_ps(1.0f), neg = _mm256_set1_ps(-0.0f);
+    int64_t i = 0;
+    for (; i + 8 <= I; i += 8) {
+        const __m256 x = load_bf16x8(g + i);
+        const __m256 y = _mm256_div_ps(x, _mm256_add_ps(one, Sleef_expf8_u10avx2(_mm256_xor_ps(x, neg))));
+        store_bf16x8(act + i, _mm256_mul_ps(to_bf16x8(y), load_bf16x8(u + i)));
+    }
+    for (; i < I; ++i) {
+        const float x = norm_widen(g[i]);
+        act[i] = norm_round(to_bf16(x / (1.0f + std::exp(-x))) * norm_widen(u[i]));
+    }
+}
+
+// s[t] = exp(s[t] - mx) for t < T; returns their sum (eight partial sums, then the tail)
+static float exp_shifted(float* s, int64_t T, float mx) {
+    const __m256 m = _mm256_set1_ps(mx);
+    __m256 acc = _mm256_setzero_ps();
+    int64_t t = 0;
+    for (; t + 8 <= T; t += 8) {
+        const __m256 e = Sleef_expf8_u10avx2(_mm256_sub_ps(_mm256_loadu_ps(s + t), m));
+        _mm256_storeu_ps(s + t, e);
+        acc = _mm256_add_ps(acc, e);
+    }
+    float total = hsum(acc);
+    for (; t < T; ++t) total += (s[t] = std::exp(s[t] - mx));
+    return total;
+}
+
 static inline const uint16_t* bits(const torch::Tensor& t) {
     return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>());
 }
@@ -60,14 +128,72 @@ static void rope_inplace(torch::Tensor& t, const torch::Tensor& cos, const torch
         }
 }
 
+// s[i * T + j] = q_i . k_j for NQ query rows (fp32, stride hd) and NK consecutive key rows (bf16,
+// stride hd): one accumulator per pair, summed over d in order, so a pair's sum does not depend on
+// the tile it falls in (NQ x NK = 8 sums in flight hide the FMA latency; the keys are widened once
+// for all NQ queries).
+template <int NQ, int NK>
+static inline void qk_tile(const float* q, const uint16_t* k, float* s, int64_t hd, int64_t T) {
+    __m256 acc[NQ][NK];
+    for (int i = 0; i < NQ; ++i)
+        for (int j = 0; j < NK; ++j) acc[i][j] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < hd; d += 8) {
+        __m256 kv[NK];
+        for (int j = 0; j < NK; ++j) kv[j] = load_bf16x8(k + j * hd + d);
+        for (int i = 0; i < NQ; ++i) {
+            const __m256 qv = _mm256_loadu_ps(q + i * hd + d);
+            for (int j = 0; j < NK; ++j) acc[i][j] = _mm256_fmadd_ps(qv, kv[j], acc[i][j]);
+        }
+    }
+    for (int i = 0; i < NQ; ++i)
+        for (int j = 0; j < NK; ++j) s[i * T + j] = hsum(acc[i][j]);
+}
+
+template <int NQ>
+static inline void qk_rows(const float* q, const uint16_t* k, float* s, int64_t hd, int64_t T) {
+    int64_t t = 0;
+    for (; t + 2 <= T; t += 2) qk_tile<NQ, 2>(q, k + t * hd, s + t, hd, T);
+    if (t < T) qk_tile<NQ, 1>(q, k + t * hd, s + t, hd, T);
+}
+
+// a[i * hd + d0 .. d0 + 8 DC] = sum_t p[i * T + t] v[t, d0 .. d0 + 8 DC] for NQ rows of probabilities,
+// summed over t in order (each lane's sum as a loop over keys would give it); DC x NQ sums in flight.
+template <int NQ, int DC>
+static inline void pv_tile(const float* p, const uint16_t* v, float* a, int64_t hd, int64_t T, int64_t d0) {
+    __m256 acc[NQ][DC];
+    for (int i = 0; i < NQ; ++i)
+        for (int c = 0; c < DC; ++c) acc[i][c] = _mm256_setzero_ps();
+    for (int64_t t = 0; t < T; ++t) {
+        __m256 vv[DC];
+        for (int c = 0; c < DC; ++c) vv[c] = load_bf16x8(v + t * hd + d0 + 8 * c);
+        for (int i = 0; i < NQ; ++i) {
+            const __m256 pi = _mm256_broadcast_ss(p + i * T + t);
+            for (int c = 0; c < DC; ++c) acc[i][c] = _mm256_fmadd_ps(pi, vv[c], acc[i][c]);
+        }
+    }
+    for (int i = 0; i < NQ; ++i)
+        for (int c = 0; c < DC; ++c) _mm256_storeu_ps(a + i * hd + d0 + 8 * c, acc[i][c]);
+}
+
+template <int DC>
+static void pv_rows(const float* p, const uint16_t* v, float* a, int64_t hd, int64_t T, int64_t d0, int64_t Q) {
+    int64_t i = 0;
+    for (; i + 4 <= Q; i += 4) pv_tile<4, DC>(p + i * T, v, a + i * hd, hd, T, d0);
+    switch (Q - i) {
+        case 3: pv_tile<3, DC>(p + i * T, v, a + i * hd, hd, T, d0); break;
+        case 2: pv_tile<2, DC>(p + i * T, v, a + i * hd, hd, T, d0); break;
+        case 1: pv_tile<1, DC>(p + i * T, v, a + i * hd, hd, T, d0); break;
+    }
+}
+
 // Attention of the n new tokens of each of B rows over the T = L + n entries of their cache rows.
 // q: bf16 [B * n, Hq * hd]; kbuf / vbuf: bf16 [B, Hkv, cap, hd] (entries 0 .. T); mask: fp32 [B, n, T]
 // additive. Returns bf16 [B * n, Hq * hd]. fp32 sums, softmax over the whole row, one rounding.
-// The queries that share a KV head (Hq / Hkv heads x n tokens) walk its keys and values once
-// together, each key and value widened to fp32 once for all of them, split into as many tasks as
-// there are threads; each query's sums run in the same order as one query alone, so the result
-// does not depend on the split (session 27: a task per query re-read the whole cache per query,
-// 4 n times per layer for Gemma 3 270M's one KV head).
+// The queries that share a KV head (Hq / Hkv heads x n tokens) walk its keys and values together in
+// register tiles (4 queries x 2 keys for q.k, 4 queries x 16 lanes for p.v), split into as many tasks
+// as there are threads; each query's sums run in an order that does not depend on its tile or task,
+// so the result does not depend on the split. Session 28 (perf, 5-token Gemma 3 270M step at context
+// 256): a query at a time per key was load- and store-bound, ~2 ms of the step.
 static torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& kbuf, const torch::Tensor& vbuf,
                             const torch::Tensor& mask, int64_t n, int64_t T, int64_t Hq, int64_t Hkv,
                             int64_t hd, float scaling) {
@@ -80,9 +206,7 @@ static torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& kbuf, c
     uint16_t* op = wbits(out);
     const float* mp = mask.data_ptr<float>();
     at::parallel_for(0, heads * split, 1, [&](int64_t begin, int64_t end) {
-        std::vector<float> score(chunk * T), qf(chunk * hd), acc(chunk * hd), kv(hd);
-        std::vector<const float*> mrow(chunk);
-        std::vector<float> mx(chunk), sum(chunk);
+        std::vector<float> score(chunk * T), qf(chunk * hd), acc(chunk * hd), inv(chunk);
         for (int64_t task = begin; task < end; ++task) {
             const int64_t b = task / (Hkv * split), g = (task / split) % Hkv, c = task % split;
             const int64_t q0 = c * chunk, Q = std::min(per_kv, q0 + chunk) - q0;
@@ -93,58 +217,30 @@ static torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& kbuf, c
                 const int64_t h = head_of(q0 + i), j = (q0 + i) % n;
                 const uint16_t* qr = qp + ((b * n + j) * Hq + h) * hd;
                 for (int64_t d = 0; d < hd; ++d) qf[i * hd + d] = norm_widen(qr[d]);
-                mrow[i] = mp + (b * n + j) * T;
-                mx[i] = -INFINITY;
             }
             const uint16_t* kb = kp + (b * Hkv + g) * cap * hd;
             const uint16_t* vb = vp + (b * Hkv + g) * cap * hd;
-            for (int64_t t = 0; t < T; ++t) {
-                for (int64_t d = 0; d < hd; ++d) kv[d] = norm_widen(kb[t * hd + d]);
-                for (int64_t i = 0; i < Q; ++i) {
-                    // four partial sums (hd a multiple of 32) or one: q.k is a chain of hd / 8 FMAs, and
-                    // one accumulator made it wait on the FMA latency at every key
-                    const float* qi = qf.data() + i * hd;
-                    __m256 s = _mm256_setzero_ps(), s1 = s, s2 = s, s3 = s;
-                    int64_t d = 0;
-                    for (; d + 32 <= hd; d += 32) {
-                        s = _mm256_fmadd_ps(_mm256_loadu_ps(qi + d), _mm256_loadu_ps(kv.data() + d), s);
-                        s1 = _mm256_fmadd_ps(_mm256_loadu_ps(qi + d + 8), _mm256_loadu_ps(kv.data() + d + 8), s1);
-                        s2 = _mm256_fmadd_ps(_mm256_loadu_ps(qi + d + 16), _mm256_loadu_ps(kv.data() + d + 16), s2);
-                        s3 = _mm256_fmadd_ps(_mm256_loadu_ps(qi + d + 24), _mm256_loadu_ps(kv.data() + d + 24), s3);
-                    }
-                    for (; d < hd; d += 8)
-                        s = _mm256_fmadd_ps(_mm256_loadu_ps(qi + d), _mm256_loadu_ps(kv.data() + d), s);
-                    s = _mm256_add_ps(_mm256_add_ps(s, s1), _mm256_add_ps(s2, s3));
-                    const float sc = hsum(s) * scaling + mrow[i][t];
-                    score[i * T + t] = sc;
-                    mx[i] = std::max(mx[i], sc);
-                }
+            int64_t i = 0;
+            for (; i + 4 <= Q; i += 4) qk_rows<4>(qf.data() + i * hd, kb, score.data() + i * T, hd, T);
+            switch (Q - i) {
+                case 3: qk_rows<3>(qf.data() + i * hd, kb, score.data() + i * T, hd, T); break;
+                case 2: qk_rows<2>(qf.data() + i * hd, kb, score.data() + i * T, hd, T); break;
+                case 1: qk_rows<1>(qf.data() + i * hd, kb, score.data() + i * T, hd, T); break;
             }
-            for (int64_t i = 0; i < Q; ++i) {
+            for (i = 0; i < Q; ++i) {
+                const float* mrow = mp + (b * n + (q0 + i) % n) * T;
                 float* si = score.data() + i * T;
-                float total = 0.f;
-                for (int64_t t = 0; t < T; ++t) total += (si[t] = std::exp(si[t] - mx[i]));
-                sum[i] = total;
+                float mx = -INFINITY;
+                for (int64_t t = 0; t < T; ++t) mx = std::max(mx, si[t] = si[t] * scaling + mrow[t]);
+                inv[i] = 1.f / exp_shifted(si, T, mx);
             }
-            std::fill(acc.begin(), acc.begin() + Q * hd, 0.f);
-            for (int64_t t = 0; t < T; ++t) {
-                bool any = false;
-                for (int64_t i = 0; i < Q && !any; ++i) any = score[i * T + t] != 0.f;
-                if (!any) continue;
-                for (int64_t d = 0; d < hd; ++d) kv[d] = norm_widen(vb[t * hd + d]);
-                for (int64_t i = 0; i < Q; ++i) {
-                    if (score[i * T + t] == 0.f) continue;
-                    const __m256 p = _mm256_set1_ps(score[i * T + t]);
-                    float* ai = acc.data() + i * hd;
-                    for (int64_t d = 0; d < hd; d += 8)
-                        _mm256_storeu_ps(ai + d, _mm256_fmadd_ps(p, _mm256_loadu_ps(kv.data() + d), _mm256_loadu_ps(ai + d)));
-                }
-            }
-            for (int64_t i = 0; i < Q; ++i) {
+            int64_t d0 = 0;
+            for (; d0 + 16 <= hd; d0 += 16) pv_rows<2>(score.data(), vb, acc.data(), hd, T, d0, Q);
+            if (d0 < hd) pv_rows<1>(score.data(), vb, acc.data(), hd, T, d0, Q);
+            for (i = 0; i < Q; ++i) {
                 const int64_t h = head_of(q0 + i), j = (q0 + i) % n;
                 uint16_t* orow = op + ((b * n + j) * Hq + h) * hd;
-                const float inv = 1.f / sum[i];
-                for (int64_t d = 0; d < hd; ++d) orow[d] = norm_round(acc[i * hd + d] * inv);
+                for (int64_t d = 0; d < hd; ++d) orow[d] = norm_round(acc[i * hd + d] * inv[i]);
             }
         }
     });
@@ -211,12 +307,7 @@ torch::Tensor gemma3_layer(torch::Tensor h, std::vector<torch::Tensor> w, std::v
     auto act = torch::empty({M, I}, h.options());
     uint16_t* ap = wbits(act);
     const uint16_t* gup = bits(gu);
-    at::parallel_for(0, M * I, 2048, [&](int64_t begin, int64_t end) {  // ~30 ns a tanh: both cores
-        for (int64_t e = begin; e < end; ++e) {
-            const int64_t m = e / I, i = e % I;
-            ap[e] = norm_round(to_bf16(gelu_tanh(norm_widen(gup[m * 2 * I + i]))) * norm_widen(gup[m * 2 * I + I + i]));
-        }
-    });
+    for (int64_t m = 0; m < M; ++m) gelu_gate(gup + m * 2 * I, gup + m * 2 * I + I, ap + m * I, I);
     auto f = rms_norm(layer_linear(act, w[3], chunk), s[5], eps, false);
     return add_bf16(h1, f).view(h.sizes());
 }
@@ -245,11 +336,7 @@ torch::Tensor eagle3_layer(torch::Tensor e, torch::Tensor f, std::vector<torch::
     auto act = torch::empty({M, I}, e.options());
     uint16_t* ap = wbits(act);
     const uint16_t* gup = bits(gu);
-    for (int64_t m = 0; m < M; ++m)
-        for (int64_t i = 0; i < I; ++i) {
-            const float g = norm_widen(gup[m * 2 * I + i]);
-            ap[m * I + i] = norm_round(to_bf16(g / (1.0f + std::exp(-g))) * norm_widen(gup[m * 2 * I + I + i]));
-        }
+    for (int64_t m = 0; m < M; ++m) silu_gate(gup + m * 2 * I, gup + m * 2 * I + I, ap + m * I, I);
     return add_bf16(h1, layer_linear(act, w[3], chunk)).view(e.sizes());
 }
 """

@@ -82,11 +82,12 @@ def test_gemma3_models_get_the_fused_layers_and_others_do_not(backend):
     assert cpu_layers.fused(llama) is None  # Llama keeps transformers' forward over the kernels
 
 
-def test_a_fused_step_gives_transformers_logits_and_hidden_states(backend):
+@pytest.mark.parametrize("hidden", [64, 96])  # head_dim 16, and 24 (the attention's 8-lane tail)
+def test_a_fused_step_gives_transformers_logits_and_hidden_states(backend, hidden):
     # Differences come only from rounding order (the attention sums over the whole context in fp32,
     # PyTorch's flash kernel rounds probabilities to bf16): a few bf16 steps at the tensor's scale.
     # A wrong mask, rotary embedding, head grouping or cache slot moves them by far more.
-    target = _bf16_gemma(backend)
+    target = _bf16_gemma(backend, hidden_size=hidden)
     logits, hidden, after = _steps(target, fused=True)
     ref_logits, ref_hidden, ref_after = _steps(target, fused=False)
     assert set(hidden) == set(ref_hidden) == {0, 1, 2, 4}
