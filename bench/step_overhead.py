@@ -8,8 +8,9 @@ all. The kernels' own time drifts with the machine's memory bandwidth (27-34 GB/
 busy phases); the outside time barely does, so it is the figure to compare across code changes.
 
 What: loads the target (and a proposer), routes it through the kernels as `drafttrain eval` does,
-wraps every function of the AVX2 extension with a timer, decodes one prompt three times and prints,
-for the median run by outside time: ms per target step in all, inside the kernels, and outside.
+wraps every function of the kernel extension (AVX2, AVX-512 or AMX) and every linear's one-call path
+with a timer, decodes one prompt three times and prints, for the median run by outside time: ms per
+target step in all, inside the kernels, and outside.
 
     python bench/step_overhead.py                                  # target-only, greedy
     python bench/step_overhead.py --proposer runs/eagle/drafter --gamma 1 --temperature 1
@@ -72,6 +73,13 @@ def main(argv=None) -> None:
         f = getattr(layers.ext, name)
         if callable(f) and not name.startswith("_"):
             setattr(layers.ext, name, _timed(f, spent))
+    # a linear's one-call path was bound at install (`_Forward.direct`): on AVX-512 / AMX the 1-row
+    # LM head and the drafter's linears call it, not the module attribute wrapped above
+    models = [target, *([prop.drafter] if prop is not None and hasattr(prop, "drafter") else [])]
+    for m in (mod for model in models for mod in model.modules()):
+        fwd = vars(m).get("forward")
+        if isinstance(fwd, cpu_linear._Forward) and fwd.direct is not None and fwd.backend != "avx2":
+            fwd.direct = _timed(fwd.direct, spent)
     ids = tok(PROMPT, return_tensors="pt").input_ids
     kw = dict(max_new_tokens=args.new_tokens, temperature=args.temperature, seed=0, eos_token_id=[])
     speculative_generate(target, prop, ids, **dict(kw, max_new_tokens=16))  # warm-up

@@ -12,7 +12,9 @@ projection, the rotary embedding's two products and their sum, the gelu, the gat
 residual add), so a layer's output differs from PyTorch's by what the kernels' own summation order
 and the attention's differ: the attention sums q·k and p·v in fp32 over the whole context at once
 (PyTorch's CPU flash attention works in blocks of keys and rounds the probabilities to bf16 before
-p·v), then rounds once.
+p·v), then rounds once. The gelu's tanh, the SiLU's and the softmax's exp are SLEEF's vectorised
+1-ulp functions, the ones PyTorch's own bf16 gelu calls (libtorch_cpu exports them), declared here
+rather than included: ``Sleef_tanhf8_u10avx2`` / ``Sleef_expf8_u10avx2``.
 """
 
 LAYER_SOURCE = r"""
@@ -28,8 +30,10 @@ static inline float to_bf16(float f) { return norm_widen(norm_round(f)); }
 // PyTorch's own vectorised tanh and exp (the SLEEF functions libtorch_cpu bundles and exports, 1 ulp):
 // what its bf16 gelu computes on AVX2, 8 lanes at a time. Scalar std::tanh cost ~30 ns an element,
 // 3 ms of a 5-token Gemma 3 270M step (2048 x 5 x 18 of them; perf, session 28).
-extern "C" __m256 Sleef_tanhf8_u10avx2(__m256);
-extern "C" __m256 Sleef_expf8_u10avx2(__m256);
+// Weak: a torch build that does not export them loads the extension with null pointers and takes
+// the scalar loops below instead of failing to import.
+extern "C" __m256 Sleef_tanhf8_u10avx2(__m256) __attribute__((weak));
+extern "C" __m256 Sleef_expf8_u10avx2(__m256) __attribute__((weak));
 
 // 8 fp32 lanes -> their bf16 bits (low half of each lane), rounded to nearest even as norm_round
 static inline __m256i bf16_bits8(__m256 v) {
@@ -53,7 +57,7 @@ static void gelu_gate(const uint16_t* g, const uint16_t* u, uint16_t* act, int64
     const __m256 k0 = _mm256_set1_ps(0.7978845608028654f), k1 = _mm256_set1_ps(0.044715f);
     const __m256 half = _mm256_set1_ps(0.5f), one = _mm256_set1_ps(1.0f);
     int64_t i = 0;
-    for (; i + 8 <= I; i += 8) {
+    for (; Sleef_tanhf8_u10avx2 && i + 8 <= I; i += 8) {
         const __m256 x = load_bf16x8(g + i);
         const __m256 cube = _mm256_mul_ps(_mm256_mul_ps(x, x), x);
         const __m256 t = Sleef_tanhf8_u10avx2(_mm256_mul_ps(k0, _mm256_add_ps(x, _mm256_mul_ps(k1, cube))));
@@ -67,7 +71,7 @@ static void gelu_gate(const uint16_t* g, const uint16_t* u, uint16_t* act, int64
 static void silu_gate(const uint16_t* g, const uint16_t* u, uint16_t* act, int64_t I) {
     const __m256 one = _mm256_set1_ps(1.0f), neg = _mm256_set1_ps(-0.0f);
     int64_t i = 0;
-    for (; i + 8 <= I; i += 8) {
+    for (; Sleef_expf8_u10avx2 && i + 8 <= I; i += 8) {
         const __m256 x = load_bf16x8(g + i);
         const __m256 y = _mm256_div_ps(x, _mm256_add_ps(one, Sleef_expf8_u10avx2(_mm256_xor_ps(x, neg))));
         store_bf16x8(act + i, _mm256_mul_ps(to_bf16x8(y), load_bf16x8(u + i)));
@@ -83,7 +87,7 @@ static float exp_shifted(float* s, int64_t T, float mx) {
     const __m256 m = _mm256_set1_ps(mx);
     __m256 acc = _mm256_setzero_ps();
     int64_t t = 0;
-    for (; t + 8 <= T; t += 8) {
+    for (; Sleef_expf8_u10avx2 && t + 8 <= T; t += 8) {
         const __m256 e = Sleef_expf8_u10avx2(_mm256_sub_ps(_mm256_loadu_ps(s + t), m));
         _mm256_storeu_ps(s + t, e);
         acc = _mm256_add_ps(acc, e);
