@@ -6,6 +6,7 @@ Tiny targets (hidden 64, 4 layers, vocab 263 byte-level tokenizer) stand in for 
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 
@@ -22,6 +23,20 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def bench_script():
+    """Loads a script of bench/ (not a package) as a module: ``bench_script("pool_seeds")``."""
+    root = Path(__file__).resolve().parents[2] / "bench"
+
+    def load(name: str):
+        spec = importlib.util.spec_from_file_location(name, root / f"{name}.py")
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        return mod
+
+    return load
 
 
 @pytest.fixture(autouse=True)

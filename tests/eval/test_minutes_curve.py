@@ -2,18 +2,8 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
-
-BENCH = Path(__file__).resolve().parents[2] / "bench" / "minutes_curve.py"
-
-
-def _module():
-    spec = importlib.util.spec_from_file_location("minutes_curve", BENCH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def _drafter(folder: Path, metrics: dict) -> str:
@@ -27,8 +17,8 @@ def _method(tau: float, speedup: float) -> dict:
             "acceptance": [tau - 1.0]}
 
 
-def test_rows_follow_training_minutes_and_skip_what_the_run_did_not_train(tmp_path):
-    mc = _module()
+def test_rows_follow_training_minutes_and_skip_what_the_run_did_not_train(tmp_path, bench_script):
+    mc = bench_script("minutes_curve")
     run = tmp_path / "run"
     late = _drafter(run / "snapshots" / "train-30min", {"step": 900, "train_time_s": 1801.0})
     early = _drafter(run / "snapshots" / "train-10min", {"step": 300, "train_time_s": 600.5})

@@ -2,20 +2,9 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
-
-BENCH = Path(__file__).resolve().parents[2] / "bench" / "pool_seeds.py"
-
-
-def _module():
-    spec = importlib.util.spec_from_file_location("pool_seeds", BENCH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def _results(seed: int, target_walls: list[float], drafter_walls: list[float] | None) -> dict:
@@ -28,8 +17,8 @@ def _results(seed: int, target_walls: list[float], drafter_walls: list[float] | 
     return {"config": {"seed": seed}, "runs": [{"temperature": 1.0, "batch_size": 1, "methods": methods}]}
 
 
-def test_each_runs_speedup_their_mean_and_one_pooled_interval(tmp_path, capsys):
-    ps = _module()
+def test_each_runs_speedup_their_mean_and_one_pooled_interval(tmp_path, capsys, bench_script):
+    ps = bench_script("pool_seeds")
     a = _results(0, [4.0, 4.0], [2.0, 2.0])  # 2.0x
     b = _results(100, [4.0, 4.0], [4.0, 4.0])  # 1.0x
     c = _results(200, [4.0, 4.0], None)  # the drafter did not run
@@ -49,6 +38,6 @@ def test_each_runs_speedup_their_mean_and_one_pooled_interval(tmp_path, capsys):
     assert "| drafter | 2.00 | 1.00 | 1.50 |" in out
 
 
-def test_a_missing_results_file_is_one_clear_error(tmp_path, capsys):
-    assert _module().main([str(tmp_path)]) == 2
+def test_a_missing_results_file_is_one_clear_error(tmp_path, capsys, bench_script):
+    assert bench_script("pool_seeds").main([str(tmp_path)]) == 2
     assert "results.json not found" in capsys.readouterr().err
