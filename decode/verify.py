@@ -31,7 +31,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from drafttrain.decode.kernels.dispatch import resolve_impl
+from drafttrain.decode.kernels import cpu_verify
+from drafttrain.decode.kernels.dispatch import IMPLS, resolve_impl
 from drafttrain.decode.kernels.rejection import rejection_sample
 from drafttrain.decode.sampling import (
     STREAM_ACCEPT,
@@ -53,7 +54,11 @@ __all__ = [
     "verify_sampled_ref",
     "verify_typical_ref",
     "chain_parents",
+    "VERIFY_IMPLS",
 ]
+
+#: verification's implementations: the kernel table's, and the CPU's C++ chain kernel
+VERIFY_IMPLS = (*IMPLS, "cpu")
 
 
 @dataclass
@@ -118,7 +123,9 @@ def verify_tree(target_logits: Tensor, tokens: Tensor, parents: Tensor, draft_pr
         positions: [B, N] or [B] absolute positions; only the root's (column 0) is used.
         typical: (eps, delta) switches to Medusa typical acceptance: LOSSY, the output law is
             no longer the target's. Accept x if p(x) > min(eps, delta * exp(-H(p))).
-        impl: "auto" (Triton for sampled chains on CUDA when triton imports), "ref" or "triton".
+        impl: "auto" (Triton for sampled chains on CUDA when triton imports; on x86 CPUs with
+            AVX2, `kernels.cpu_verify` for seeded chains at the temperature alone), "ref",
+            "triton" or "cpu" (that C++ kernel, or a ValueError where it does not apply).
         check: validate shapes, tree structure and finiteness (a few host syncs).
 
     Returns:
@@ -129,6 +136,19 @@ def verify_tree(target_logits: Tensor, tokens: Tensor, parents: Tensor, draft_pr
             ``positions``.
     """
     B, N, V = target_logits.shape
+    if impl not in VERIFY_IMPLS:
+        raise ValueError(f"impl must be one of {VERIFY_IMPLS}, got {impl!r}")
+    if _cpu_chain_kernel(impl, target_logits, temperature, top_k, top_p, typical, seed, parents):
+        if check:  # the kernel checks the logits and the draft rows it reads itself
+            _check_inputs(target_logits, tokens, parents, draft_probs, values=False)
+        u_accept, u_emit = _draw(B, N, V, target_logits.device, generator, seed, positions, race=False)
+        n, token = cpu_verify.sampled_chain(target_logits, tokens[:, 1:], draft_probs, temperature,
+                                            u_accept[:, 1:], u_emit)
+        idx = torch.arange(1, N)[None, :]
+        return VerifyResult(torch.where(idx <= n[:, None], idx, -1), n, token, n)  # a chain's path: 1..n
+    if impl == "cpu":
+        raise ValueError("impl='cpu' serves seeded, temperature-only sampled chains on x86 CPUs with AVX2; "
+                         "this call is not one (use impl='auto')")
     if temperature > 0 and target_logits.device.type == "cpu" and target_logits.dtype != torch.float32:
         # once, up front: the finiteness check and the softmax both read fp32 (a bf16 max over the
         # vocabulary costs ~4x an fp32 one on the CPU); the numbers are those process_logits makes
@@ -439,15 +459,32 @@ def _verify_chain_kernel(target_logits: Tensor, draft_tokens: Tensor, draft_prob
     return VerifyResult(_pack_path(mask), n, tok.gather(1, n[:, None])[:, 0], n)
 
 
+def _cpu_chain_kernel(impl: str, logits: Tensor, temperature: float, top_k: int, top_p: float,
+                      typical: tuple[float, float] | None, seed, parents: Tensor) -> bool:
+    """Whether this verification runs through `kernels.cpu_verify`: sampled at the temperature alone,
+    keyed draws (seed; a generator's exponential race keeps the reference), a chain, CPU tensors,
+    an x86 CPU with AVX2 and a compiler; impl "auto" or "cpu"."""
+    if impl not in ("auto", "cpu") or temperature <= 0 or logits.device.type != "cpu":
+        return False
+    if typical is not None or top_k > 0 or top_p < 1.0 or seed is None:
+        return False
+    if logits.dim() != 3 or parents.shape != logits.shape[:2]:
+        return False  # malformed: the reference's checks say how
+    return _is_chain(parents) and cpu_verify.available()
+
+
 def _check_inputs(target_logits: Tensor, tokens: Tensor, parents: Tensor,
-                  draft_probs: Tensor | None) -> None:
+                  draft_probs: Tensor | None, *, values: bool = True) -> None:
+    """Shapes, the tree's structure and the draft tokens; with `values`, also the logits'
+    finiteness and the draft probabilities' range (the CPU chain kernel checks those itself)."""
     if target_logits.dim() != 3:
         raise ValueError(f"target_logits must be [B, N, V], got {list(target_logits.shape)}")
     B, N, V = target_logits.shape
     if tokens.shape != (B, N) or parents.shape != (B, N):
         raise ValueError(f"tokens and parents must be [B, N] = [{B}, {N}], got "
                          f"{list(tokens.shape)} and {list(parents.shape)}")
-    check_logits(target_logits, "target_logits")
+    if values:
+        check_logits(target_logits, "target_logits")
     if bool((parents[:, 0] != -1).any()):
         raise ValueError("parents[:, 0] must be -1 (node 0 is the root)")
     idx = torch.arange(N, device=parents.device)
@@ -462,6 +499,8 @@ def _check_inputs(target_logits: Tensor, tokens: Tensor, parents: Tensor,
         if draft_probs.shape not in ((B, N, V), (B, N - 1, V)):
             raise ValueError(f"draft_probs must be [B, N, V] = [{B}, {N}, {V}] (or [B, N-1, V]), "
                              f"got {list(draft_probs.shape)}")
+        if not values:
+            return
         lo, hi = torch.aminmax(draft_probs) if draft_probs.numel() else (draft_probs.new_zeros(()),) * 2
         if not (bool(torch.isfinite(hi)) and bool(lo >= 0)):  # one pass; a NaN propagates to both
             raise ValueError("draft_probs must be finite and non-negative (processed probabilities)")
