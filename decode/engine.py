@@ -160,7 +160,8 @@ def verify(state: DecodeState, tree: DraftTree, proposer: Proposer | None
                                     hidden_ids=hidden_ids)  # logits [B, N, V]
     result = verify_tree(logits, tree.tokens, tree.parents, tree.draft_probs,
                          temperature=state.temperature, top_k=state.top_k, top_p=state.top_p,
-                         generator=state.generator, seed=state.seed, positions=positions)
+                         generator=state.generator, seed=state.seed, positions=positions,
+                         draft_vocab=tree.draft_vocab)
     return result, hidden
 
 

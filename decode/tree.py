@@ -44,6 +44,7 @@ __all__ = [
     "compact_tree",
     "chain_prefix",
     "first_path",
+    "dense_probs",
 ]
 
 
@@ -54,14 +55,20 @@ class DraftTree:
     Attributes:
         tokens: [B, N] token ids (node 0 = root).
         parents: [B, N] parent node ids (-1 root, -2 padding).
-        draft_probs: [B, N, V] float32 or None (deterministic drafts).
+        draft_probs: [B, N, V] float32 or None (deterministic drafts); [B, N, V'] over a reduced
+            draft vocabulary when `draft_vocab` is given.
         confidence: [B, N] float raw per-node confidence in [0, 1] (node 0 = 1), or None.
+        draft_vocab: [V'] long, the target ids of draft_probs' columns (a drafter's reduced
+            vocabulary: q is zero elsewhere), or None (draft_probs spans the target's vocabulary).
+            Kept sparse, q costs a drafter no scatter into 262k columns a draft step, and
+            verification reads V' columns.
     """
 
     tokens: Tensor
     parents: Tensor
     draft_probs: Tensor | None = None
     confidence: Tensor | None = None
+    draft_vocab: Tensor | None = None
     # (parents, depths): a step asks for the depths five or six times (engine, scheduler, calibrator);
     # computed again when `parents` is replaced. Trees are built whole: nothing writes into a tree's
     # `parents` after construction (`without_rows` copies), and inference tensors carry no version
@@ -85,7 +92,20 @@ class DraftTree:
             return self
         parents = self.parents.clone()
         parents[drop, 1:] = -2
-        return DraftTree(self.tokens, parents, self.draft_probs, self.confidence)
+        return DraftTree(self.tokens, parents, self.draft_probs, self.confidence, self.draft_vocab)
+
+    def dense_probs(self, vocab_size: int) -> Tensor | None:
+        """draft_probs over the target's whole vocabulary ([B, N, vocab_size]; zero outside a
+        reduced draft vocabulary), or None for deterministic drafts."""
+        return dense_probs(self.draft_probs, self.draft_vocab, vocab_size)
+
+
+def dense_probs(probs: Tensor | None, vocab: Tensor | None, vocab_size: int) -> Tensor | None:
+    """[..., V'] probabilities over the target ids `vocab` -> [..., vocab_size] (as is when `vocab` is None)."""
+    if probs is None or vocab is None:
+        return probs
+    out = probs.new_zeros(*probs.shape[:-1], vocab_size)
+    return out.scatter_(-1, vocab.to(probs.device).expand_as(probs), probs)
 
 
 @dataclass(frozen=True)
@@ -157,14 +177,16 @@ def node_depths(parents: Tensor) -> Tensor:
 
 
 def chain_tree(root: Tensor, drafts: Tensor, draft_probs: Tensor | None = None,
-               confidence: Tensor | None = None) -> DraftTree:
+               confidence: Tensor | None = None, draft_vocab: Tensor | None = None) -> DraftTree:
     """A chain: root -> drafts[:, 0] -> ... -> drafts[:, -1].
 
     Args:
         root: [B] last accepted tokens.
         drafts: [B, g] drafted tokens.
-        draft_probs: [B, g, V] distribution each draft was drawn from, or None.
+        draft_probs: [B, g, V] distribution each draft was drawn from ([B, g, V'] over
+            `draft_vocab`), or None.
         confidence: [B, g] the drafter's confidence in each draft (see DraftTree), or None.
+        draft_vocab: [V'] target ids of draft_probs' columns, or None (see DraftTree).
     """
     B, g = drafts.shape
     tokens = torch.cat([root[:, None], drafts], 1)  # [B, g + 1]
@@ -176,7 +198,7 @@ def chain_tree(root: Tensor, drafts: Tensor, draft_probs: Tensor | None = None,
     conf = None
     if confidence is not None:
         conf = torch.cat([torch.ones_like(confidence[:, :1]), confidence], 1).float()  # [B, g + 1]
-    return DraftTree(tokens, parents, probs, conf)
+    return DraftTree(tokens, parents, probs, conf, draft_vocab if probs is not None else None)
 
 
 def root_only(root: Tensor) -> DraftTree:
@@ -262,7 +284,7 @@ def compact_tree(tree: DraftTree, keep: Tensor) -> tuple[DraftTree, Tensor]:
         probs = tree.draft_probs.gather(1, idx[:, :, None].expand(-1, -1, tree.draft_probs.shape[-1]))
         probs = probs * slot_ok[:, :, None]
     conf = tree.confidence.gather(1, idx) if tree.confidence is not None else None
-    return DraftTree(tree.tokens.gather(1, idx), parents, probs, conf), kept_ids
+    return DraftTree(tree.tokens.gather(1, idx), parents, probs, conf, tree.draft_vocab), kept_ids
 
 
 def chain_prefix(tree: DraftTree, length: int) -> DraftTree:
@@ -270,7 +292,7 @@ def chain_prefix(tree: DraftTree, length: int) -> DraftTree:
     n = length + 1
     return DraftTree(tree.tokens[:, :n], tree.parents[:, :n],
                      None if tree.draft_probs is None else tree.draft_probs[:, :n],
-                     None if tree.confidence is None else tree.confidence[:, :n])
+                     None if tree.confidence is None else tree.confidence[:, :n], tree.draft_vocab)
 
 
 def first_path(tree: DraftTree, depth: int) -> Tensor:

@@ -45,6 +45,7 @@ from drafttrain.decode.sampling import (
     sample_weights,
     uniforms_from_generator,
 )
+from drafttrain.decode.tree import dense_probs
 
 __all__ = [
     "VerifyResult",
@@ -93,7 +94,7 @@ def verify_tree(target_logits: Tensor, tokens: Tensor, parents: Tensor, draft_pr
                 *, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                 generator: torch.Generator | None = None, seed: int | Tensor | None = None,
                 positions: Tensor | None = None, typical: tuple[float, float] | None = None,
-                impl: str = "auto", check: bool = True) -> VerifyResult:
+                impl: str = "auto", check: bool = True, draft_vocab: Tensor | None = None) -> VerifyResult:
     """Verifies a batch of draft trees against the target.
 
     Tree layout per row: node 0 is the root (the last accepted token, not a draft), nodes 1..N-1
@@ -127,6 +128,10 @@ def verify_tree(target_logits: Tensor, tokens: Tensor, parents: Tensor, draft_pr
             AVX2, `kernels.cpu_verify` for seeded chains at the temperature alone), "ref",
             "triton" or "cpu" (that C++ kernel, or a ValueError where it does not apply).
         check: validate shapes, tree structure and finiteness (a few host syncs).
+        draft_vocab: [V'] long target ids of draft_probs' columns when q covers a drafter's
+            reduced vocabulary (draft_probs [B, N, V'] or [B, N-1, V'], zero elsewhere); None
+            when draft_probs spans the target's V. The CPU chain kernel reads it as is; the
+            other paths scatter it to [B, N, V] first.
 
     Returns:
         VerifyResult.
@@ -140,12 +145,16 @@ def verify_tree(target_logits: Tensor, tokens: Tensor, parents: Tensor, draft_pr
         raise ValueError(f"impl must be one of {VERIFY_IMPLS}, got {impl!r}")
     if _cpu_chain_kernel(impl, target_logits, temperature, top_k, top_p, typical, seed, parents):
         if check:  # the kernel checks the logits and the draft rows it reads itself
-            _check_inputs(target_logits, tokens, parents, draft_probs, values=False)
+            _check_inputs(target_logits, tokens, parents, draft_probs, values=False, draft_vocab=draft_vocab)
         u_accept, u_emit = _draw(B, N, V, target_logits.device, generator, seed, positions, race=False)
         n, token = cpu_verify.sampled_chain(target_logits, tokens[:, 1:], draft_probs, temperature,
-                                            u_accept[:, 1:], u_emit)
+                                            u_accept[:, 1:], u_emit, draft_vocab)
         idx = torch.arange(1, N)[None, :]
         return VerifyResult(torch.where(idx <= n[:, None], idx, -1), n, token, n)  # a chain's path: 1..n
+    if draft_vocab is not None and draft_probs is not None:
+        if check:
+            _check_inputs(target_logits, tokens, parents, draft_probs, values=False, draft_vocab=draft_vocab)
+        draft_probs = dense_probs(draft_probs, draft_vocab, V)
     if impl == "cpu":
         raise ValueError("impl='cpu' serves seeded, temperature-only sampled chains on x86 CPUs with AVX2; "
                          "this call is not one (use impl='auto')")
@@ -474,7 +483,7 @@ def _cpu_chain_kernel(impl: str, logits: Tensor, temperature: float, top_k: int,
 
 
 def _check_inputs(target_logits: Tensor, tokens: Tensor, parents: Tensor,
-                  draft_probs: Tensor | None, *, values: bool = True) -> None:
+                  draft_probs: Tensor | None, *, values: bool = True, draft_vocab: Tensor | None = None) -> None:
     """Shapes, the tree's structure and the draft tokens; with `values`, also the logits'
     finiteness and the draft probabilities' range (the CPU chain kernel checks those itself)."""
     if target_logits.dim() != 3:
@@ -496,7 +505,14 @@ def _check_inputs(target_logits: Tensor, tokens: Tensor, parents: Tensor,
     if bool((live & ((t < 0) | (t >= V))).any()):
         raise ValueError(f"draft tokens must lie in [0, {V})")
     if draft_probs is not None:
-        if draft_probs.shape not in ((B, N, V), (B, N - 1, V)):
+        if draft_vocab is not None:
+            Vq = draft_vocab.numel()
+            if draft_vocab.dim() != 1 or draft_probs.shape not in ((B, N, Vq), (B, N - 1, Vq)):
+                raise ValueError(f"draft_probs over a draft vocabulary of {Vq} ids must be [B, N, {Vq}] "
+                                 f"(or [B, N-1, {Vq}]), got {list(draft_probs.shape)}")
+            if Vq and bool(((draft_vocab < 0) | (draft_vocab >= V)).any()):
+                raise ValueError(f"draft_vocab ids must lie in [0, {V})")
+        elif draft_probs.shape not in ((B, N, V), (B, N - 1, V)):
             raise ValueError(f"draft_probs must be [B, N, V] = [{B}, {N}, {V}] (or [B, N-1, V]), "
                              f"got {list(draft_probs.shape)}")
         if not values:

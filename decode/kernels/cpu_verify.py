@@ -214,7 +214,8 @@ static int64_t inverse_cdf(const float* w, float scale, int64_t V, const float* 
 // `threads`: split each vocabulary pass across threads (batch 1) or not (rows already in parallel).
 template <typename T, typename Q>
 static std::pair<int64_t, int64_t> verify_row(const T* lg, int64_t K, int64_t V, const int64_t* x, const Q* q,
-                                              int64_t q_rows, float temp, const double* ua, double ue, bool threads) {
+                                              int64_t q_rows, const int64_t* ids, int64_t Vq, float temp,
+                                              const double* ua, double ue, bool threads) {
     const int64_t nb = (V + BLOCK - 1) / BLOCK, per = (nb + CHUNKS - 1) / CHUNKS, nch = (nb + per - 1) / per;
     auto chunk_lo = [&](int64_t c) { return std::min(V, c * per * BLOCK); };
     auto each = [&](int64_t n, const std::function<void(int64_t)>& f) {
@@ -230,8 +231,10 @@ static std::pair<int64_t, int64_t> verify_row(const T* lg, int64_t K, int64_t V,
         bool nan = false;
         cmax[i] = range_max(lg + k * V, lo, hi, temp, &nan);
         cnan[i] = nan;
-        if (k < qk) qbad[i] = !range_probs_ok(q + k * V, lo, hi);
+        if (k < qk && !ids) qbad[i] = !range_probs_ok(q + k * V, lo, hi);
     });
+    for (int64_t k = 0; ids && k < qk; ++k)  // a reduced vocabulary's rows: short, checked here
+        if (!range_probs_ok(q + k * Vq, 0, Vq)) qbad[k * nch] = 1;
     std::vector<float> m(K, -std::numeric_limits<float>::infinity());
     for (int64_t i = 0; i < K * nch; ++i) {
         if (cnan[i]) return {-1, 0};
@@ -256,11 +259,23 @@ static std::pair<int64_t, int64_t> verify_row(const T* lg, int64_t K, int64_t V,
             return {k, inverse_cdf(ep, inv, V, bs, ue, csum)};
         const int64_t xv = x[k];
         const double px = static_cast<double>(ep[xv] * inv);
-        const double qx = q ? static_cast<double>(load1(q + k * V + xv)) : 1.0;
+        const Q* qr = q ? q + k * Vq : nullptr;
+        double qx = q ? 0.0 : 1.0;
+        if (q && !ids) qx = static_cast<double>(load1(qr + xv));
+        for (int64_t j = 0; q && ids && j < Vq; ++j)  // q's column of x in a reduced vocabulary (none: 0)
+            if (ids[j] == xv) { qx = static_cast<double>(load1(qr + j)); break; }
         if (qx > 0 && ua[k] * qx < px) continue;
         // first rejection: the residual max(p - q, 0) (one-hot q: p with x zeroed)
-        const Q* qr = q ? q + k * V : nullptr;
-        each(nch, [&](int64_t c) { range_residual(ep, qr, xv, chunk_lo(c), chunk_lo(c + 1), inv, bs); });
+        if (ids) {  // p, then q subtracted at its ids, then the block sums again
+            each(nch, [&](int64_t c) { range_residual<Q>(ep, nullptr, -1, chunk_lo(c), chunk_lo(c + 1), inv, bs); });
+            for (int64_t j = 0; j < Vq; ++j) {
+                const float r = ep[ids[j]] - load1(qr + j);
+                ep[ids[j]] = r > 0.0f ? r : 0.0f;
+            }
+            each(nch, [&](int64_t c) { range_residual<Q>(ep, nullptr, -1, chunk_lo(c), chunk_lo(c + 1), 1.0f, bs); });
+        } else {
+            each(nch, [&](int64_t c) { range_residual(ep, qr, xv, chunk_lo(c), chunk_lo(c + 1), inv, bs); });
+        }
         bool any = false;
         for (int64_t b = 0; b < nb; ++b) any |= bs[b] > 0;
         if (!any) {  // p == q up to rounding: no mass left, draw from p
@@ -274,17 +289,19 @@ static std::pair<int64_t, int64_t> verify_row(const T* lg, int64_t K, int64_t V,
 
 template <typename T, typename Q>
 static void run_rows(const torch::Tensor& logits, const torch::Tensor& drafts, const torch::Tensor& q, bool has_q,
-                     double temperature, const torch::Tensor& ua, const torch::Tensor& ue, int64_t* n_acc, int64_t* tok) {
+                     const torch::Tensor& ids, double temperature, const torch::Tensor& ua, const torch::Tensor& ue,
+                     int64_t* n_acc, int64_t* tok) {
     const int64_t B = logits.size(0), K = logits.size(1), V = logits.size(2);
     const T* lg = reinterpret_cast<const T*>(logits.data_ptr());
     const Q* qp = has_q ? reinterpret_cast<const Q*>(q.data_ptr()) : nullptr;
-    const int64_t q_rows = has_q ? q.size(1) : 0;
+    const int64_t q_rows = has_q ? q.size(1) : 0, Vq = has_q ? q.size(2) : 0;
+    const int64_t* idp = ids.numel() ? ids.data_ptr<int64_t>() : nullptr;
     const int64_t* x = drafts.data_ptr<int64_t>();
     const double* u = ua.data_ptr<double>();
     const double* e = ue.data_ptr<double>();
     auto row = [&](int64_t b, bool threads) {
-        auto r = verify_row<T, Q>(lg + b * K * V, K, V, x + b * (K - 1), has_q ? qp + b * q_rows * V : nullptr, q_rows,
-                                  static_cast<float>(temperature), u + b * (K - 1), e[b], threads);
+        auto r = verify_row<T, Q>(lg + b * K * V, K, V, x + b * (K - 1), has_q ? qp + b * q_rows * Vq : nullptr, q_rows,
+                                  idp, Vq, static_cast<float>(temperature), u + b * (K - 1), e[b], threads);
         n_acc[b] = r.first;
         tok[b] = r.second;
     };
@@ -294,11 +311,13 @@ static void run_rows(const torch::Tensor& logits, const torch::Tensor& drafts, c
 
 // logits [B, K, V] fp32 or bf16; drafts [B, K-1] int64 (the draft tested at node k is drafts[:, k]);
 // q [B, >= K-1, V] fp32 / bf16 processed draft probabilities, or an empty tensor (deterministic
-// drafts: one-hot q); u_accept [B, K-1] float64; u_emit [B] float64.
+// drafts: one-hot q); ids [V'] int64: the target ids of q's columns when q covers a reduced draft
+// vocabulary (q [B, >= K-1, V']; zero elsewhere), or an empty tensor; u_accept [B, K-1] float64;
+// u_emit [B] float64.
 // Returns [2, B] int64: accepted drafts per row (-1: that row's logits hold NaN / +inf or a fully
 // masked row; -2: q holds a NaN, an inf or a negative entry; the caller raises) and the emitted token.
-torch::Tensor sampled_chain(torch::Tensor logits, torch::Tensor drafts, torch::Tensor q, double temperature,
-                            torch::Tensor u_accept, torch::Tensor u_emit) {
+torch::Tensor sampled_chain(torch::Tensor logits, torch::Tensor drafts, torch::Tensor q, torch::Tensor ids,
+                            double temperature, torch::Tensor u_accept, torch::Tensor u_emit) {
     TORCH_CHECK(logits.dim() == 3 && logits.is_contiguous(), "logits must be a contiguous [B, K, V] tensor");
     const int64_t B = logits.size(0), K = logits.size(1), V = logits.size(2);
     TORCH_CHECK(K >= 1 && V >= 1, "empty logits");
@@ -306,19 +325,25 @@ torch::Tensor sampled_chain(torch::Tensor logits, torch::Tensor drafts, torch::T
     TORCH_CHECK(u_accept.scalar_type() == torch::kDouble && u_accept.is_contiguous() && u_accept.numel() == B * (K - 1), "u_accept must be float64 [B, K-1]");
     TORCH_CHECK(u_emit.scalar_type() == torch::kDouble && u_emit.is_contiguous() && u_emit.numel() == B, "u_emit must be float64 [B]");
     const bool has_q = q.numel() > 0;
+    const bool sparse = ids.numel() > 0;
     if (has_q)
-        TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && q.size(0) == B && q.size(1) >= K - 1 && q.size(2) == V,
-                    "q must be a contiguous [B, >= K-1, V] tensor");
+        TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && q.size(0) == B && q.size(1) >= K - 1
+                    && q.size(2) == (sparse ? ids.numel() : V), "q must be a contiguous [B, >= K-1, V or V'] tensor");
+    if (sparse) {
+        TORCH_CHECK(has_q && ids.scalar_type() == torch::kLong && ids.is_contiguous() && ids.dim() == 1, "ids must be contiguous int64 [V']");
+        const int64_t* ip = ids.data_ptr<int64_t>();
+        for (int64_t j = 0; j < ids.numel(); ++j) TORCH_CHECK(ip[j] >= 0 && ip[j] < V, "ids must lie in [0, V)");
+    }
     auto out = torch::empty({2, B}, torch::kLong);
     int64_t* n = out.data_ptr<int64_t>();
     int64_t* t = n + B;
     const bool lf = logits.scalar_type() == torch::kFloat, qf = !has_q || q.scalar_type() == torch::kFloat;
     TORCH_CHECK(lf || logits.scalar_type() == torch::kBFloat16, "logits must be float32 or bfloat16");
     TORCH_CHECK(qf || q.scalar_type() == torch::kBFloat16, "q must be float32 or bfloat16");
-    if (lf && qf) run_rows<float, float>(logits, drafts, q, has_q, temperature, u_accept, u_emit, n, t);
-    else if (lf) run_rows<float, uint16_t>(logits, drafts, q, has_q, temperature, u_accept, u_emit, n, t);
-    else if (qf) run_rows<uint16_t, float>(logits, drafts, q, has_q, temperature, u_accept, u_emit, n, t);
-    else run_rows<uint16_t, uint16_t>(logits, drafts, q, has_q, temperature, u_accept, u_emit, n, t);
+    if (lf && qf) run_rows<float, float>(logits, drafts, q, has_q, ids, temperature, u_accept, u_emit, n, t);
+    else if (lf) run_rows<float, uint16_t>(logits, drafts, q, has_q, ids, temperature, u_accept, u_emit, n, t);
+    else if (qf) run_rows<uint16_t, float>(logits, drafts, q, has_q, ids, temperature, u_accept, u_emit, n, t);
+    else run_rows<uint16_t, uint16_t>(logits, drafts, q, has_q, ids, temperature, u_accept, u_emit, n, t);
     return out;
 }
 
@@ -357,7 +382,7 @@ def load():
 
 
 def sampled_chain(logits: Tensor, drafts: Tensor, draft_probs: Tensor | None, temperature: float,
-                  u_accept: Tensor, u_emit: Tensor) -> tuple[Tensor, Tensor]:
+                  u_accept: Tensor, u_emit: Tensor, draft_vocab: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Runs the kernel on CPU tensors.
 
     Args:
@@ -367,6 +392,8 @@ def sampled_chain(logits: Tensor, drafts: Tensor, draft_probs: Tensor | None, te
         temperature: > 0.
         u_accept: [B, K-1] float64 uniforms of the accept tests.
         u_emit: [B] float64 uniforms of the emitted tokens' inverse-CDF draws.
+        draft_vocab: [V'] long, the target ids of draft_probs' columns when it covers a reduced
+            draft vocabulary ([B, >= K-1, V'], zero outside it), or None (draft_probs over V).
 
     Returns:
         ([B] accepted drafts, [B] emitted token).
@@ -379,7 +406,8 @@ def sampled_chain(logits: Tensor, drafts: Tensor, draft_probs: Tensor | None, te
     if q.dtype not in (torch.float32, torch.bfloat16):
         q = q.float()
     lg = logits if logits.dtype in (torch.float32, torch.bfloat16) else logits.float()
-    out = load().sampled_chain(lg.contiguous(), drafts.long().contiguous(), q, float(temperature),
+    ids = draft_vocab.long().contiguous() if draft_vocab is not None and draft_probs is not None else q.new_empty(0, dtype=torch.long)
+    out = load().sampled_chain(lg.contiguous(), drafts.long().contiguous(), q, ids, float(temperature),
                                u_accept.double().contiguous(), u_emit.double().reshape(-1).contiguous())
     worst = int(out[0].min())
     if worst == -2:

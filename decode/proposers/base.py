@@ -32,8 +32,9 @@ draw). A subclass provides three hooks:
     _feed(state, tokens, parent_nodes, parent_slots, positions) -> logits [B, n, V']
     _end(state, tree, result)                            # commit or roll back its KV
 
-V' may be a reduced draft vocabulary; `_draft_to_target` maps ids and `_probs_to_target`
-scatters probabilities back to the target vocabulary.
+V' may be a reduced draft vocabulary; `_draft_to_target` maps ids and `_draft_vocab` names the
+target ids of its columns, which sampled trees carry beside q (`DraftTree.draft_vocab`) instead of
+scattering q back to the target vocabulary every draft step.
 
 Deliberately not here: model loading (proposers/__init__.py), verification, KV layout (kv.py).
 """
@@ -130,8 +131,10 @@ class NodeDrafter(Proposer):
     def _draft_to_target(self, ids: Tensor) -> Tensor:
         return ids
 
-    def _probs_to_target(self, q: Tensor) -> Tensor:
-        return q
+    def _draft_vocab(self) -> Tensor | None:
+        """[V'] target ids of a reduced drafting vocabulary (sampled q stays [B, V'] in the tree's
+        draft_probs, `DraftTree.draft_vocab`), or None when V' is the target's vocabulary."""
+        return None
 
     # ---- propose ---------------------------------------------------------------------------------
     def propose(self, state: DecodeState) -> DraftTree:
@@ -198,13 +201,13 @@ class NodeDrafter(Proposer):
                     x = keyed_categorical(q, state.seed, state.root_pos + t + 1)
                 else:
                     x = torch.multinomial(q, 1, generator=state.generator)[:, 0]
-                probs.append(self._probs_to_target(q))
+                probs.append(q)  # over the drafting vocabulary: the tree carries its ids
             drafts.append(self._draft_to_target(x))
             if t + 1 < gamma:  # draft t is node t + 1, child of node t
                 node = torch.full((B, 1), t + 1, device=x.device)
                 logits = self._feed_nodes(state, drafts[-1][:, None], node, node - 1, depth=t + 1)[:, 0]
         tree = chain_tree(state.root, torch.stack(drafts, 1), torch.stack(probs, 1) if probs else None,
-                          torch.stack(conf, 1))
+                          torch.stack(conf, 1), self._draft_vocab())
         self._tree_ids = torch.arange(tree.size, device=logits.device).expand(B, -1)
         return tree
 

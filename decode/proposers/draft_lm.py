@@ -71,11 +71,8 @@ class DraftLMProposer(NodeDrafter):
     def _draft_to_target(self, ids: Tensor) -> Tensor:
         return ids if self.vocab is None else self.vocab[ids]
 
-    def _probs_to_target(self, q: Tensor) -> Tensor:
-        if self.vocab is None:
-            return q
-        out = q.new_zeros(*q.shape[:-1], self.vocab_size)
-        return out.scatter_(-1, self.vocab.expand_as(q), q)
+    def _draft_vocab(self) -> Tensor | None:
+        return self.vocab
 
     def prefill(self, state, hidden) -> None:
         B = state.root.shape[0]

@@ -144,6 +144,5 @@ class EagleProposer(NodeDrafter):
     def _draft_to_target(self, ids: Tensor) -> Tensor:
         return ids + self.drafter.d2t[ids]
 
-    def _probs_to_target(self, q: Tensor) -> Tensor:
-        out = q.new_zeros(*q.shape[:-1], self.vocab_size)
-        return out.scatter_(-1, self.drafter.draft_ids.expand_as(q), q)
+    def _draft_vocab(self) -> Tensor:
+        return self.drafter.draft_ids

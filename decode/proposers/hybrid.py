@@ -153,7 +153,8 @@ class HybridProposer(Scheduler):
     def _choose(self, state: DecodeState, drafts: Drafts) -> tuple[Tensor, DraftTree, Tensor]:
         """Per row, the best part's tree: (choice [B], the merged tree, its p_nodes [B, N])."""
         choice = self._pick(state, self._scores(state, drafts.trees, drafts.p_nodes))
-        merged, p_merged = self._merge(drafts.trees, drafts.p_nodes, choice)
+        vocab_size = state.target.get_output_embeddings().weight.shape[0]
+        merged, p_merged = self._merge(drafts.trees, drafts.p_nodes, choice, vocab_size)
         return choice, merged, p_merged
 
     def _scores(self, state: DecodeState | None, trees: list[DraftTree], p_nodes: list[Tensor]) -> Tensor:
@@ -175,9 +176,11 @@ class HybridProposer(Scheduler):
         """[B] index of the part whose tree each row verifies (highest score; ties: first part)."""
         return scores.argmax(0)
 
-    def _merge(self, trees: list[DraftTree], p_nodes: list[Tensor], choice: Tensor
+    def _merge(self, trees: list[DraftTree], p_nodes: list[Tensor], choice: Tensor, vocab_size: int
                ) -> tuple[DraftTree, Tensor]:
-        """Per row, the chosen part's tree with its node ids unchanged (padding appended)."""
+        """Per row, the chosen part's tree with its node ids unchanged (padding appended). Sampled
+        q over a reduced draft vocabulary is spread over the target's `vocab_size` ids, which every
+        part's rows share."""
         B = choice.shape[0]
         device = trees[0].tokens.device
         N = max(int(t.size) for i, t in enumerate(trees) if bool((choice == i).any()))
@@ -188,7 +191,7 @@ class HybridProposer(Scheduler):
         sampled = [t.draft_probs is not None and bool((choice == i).any()) for i, t in enumerate(trees)]
         probs = None
         if any(sampled):
-            V = next(t.draft_probs.shape[-1] for t, s in zip(trees, sampled) if s)
+            V = vocab_size
             probs = torch.zeros(B, N, V, device=device)
         for i, (t, p) in enumerate(zip(trees, p_nodes)):
             rows = choice == i
@@ -202,7 +205,7 @@ class HybridProposer(Scheduler):
             if probs is None:
                 continue
             if t.draft_probs is not None:
-                probs[rows, : min(t.draft_probs.shape[1], N)] = t.draft_probs[rows, :N].float()
+                probs[rows, : min(t.draft_probs.shape[1], N)] = t.dense_probs(V)[rows, :N].float()
             elif _is_chain(t):
                 probs[rows, :n] = _one_hot_probs(t, V)[rows, :n]
             else:

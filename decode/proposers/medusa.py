@@ -98,6 +98,5 @@ class MedusaProposer(NodeDrafter):
     def _draft_to_target(self, ids: Tensor) -> Tensor:
         return ids + self.heads.d2t[ids]
 
-    def _probs_to_target(self, q: Tensor) -> Tensor:
-        out = q.new_zeros(*q.shape[:-1], self.heads.cfg.vocab_size)
-        return out.scatter_(-1, self.heads.draft_ids.expand_as(q), q)
+    def _draft_vocab(self) -> Tensor:
+        return self.heads.draft_ids

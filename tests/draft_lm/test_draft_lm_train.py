@@ -163,7 +163,9 @@ def test_decoder_drafts_only_from_the_decode_vocab(dl_runs, dl_root):
         proposer.propose = lambda state, _p=propose, _t=trees: _t.append(_p(state)) or _t[-1]
         speculative_generate(target, proposer, ids, max_new_tokens=40, temperature=1.0, seed=0, eos_token_id=[])
         drafted[mode] = torch.cat([t.tokens[:, 1:].flatten() for t in trees])
-        probs = torch.cat([t.draft_probs[:, :-1].reshape(-1, 263) for t in trees])
+        probs = torch.cat([t.dense_probs(263)[:, :-1].reshape(-1, 263) for t in trees])
+        if mode == "auto":  # q stays over the decode vocabulary, whose ids the tree carries
+            assert all(torch.equal(t.draft_vocab, proposer.vocab) for t in trees)
         assert torch.allclose(probs.sum(-1), torch.ones(len(probs)), atol=1e-5)
         if mode == "auto":
             inside = torch.zeros(263, dtype=torch.bool)
