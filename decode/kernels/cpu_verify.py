@@ -222,6 +222,8 @@ static std::pair<int64_t, int64_t> verify_row(const T* lg, int64_t K, int64_t V,
         if (threads && n > 1) at::parallel_for(0, n, 1, [&](int64_t a, int64_t b) { for (int64_t i = a; i < b; ++i) f(i); });
         else for (int64_t i = 0; i < n; ++i) f(i);
     };
+    for (int64_t k = 0; k + 1 < K; ++k)  // never read outside a row, whatever the caller checked
+        if (x[k] < 0 || x[k] >= V) return {-3, 0};
     // pass 1, every node: the max of each row (NaN / inf check), and q's rows checked
     std::vector<float> cmax(K * nch);
     std::vector<char> cnan(K * nch, 0), qbad(K * nch, 0);
@@ -315,7 +317,8 @@ static void run_rows(const torch::Tensor& logits, const torch::Tensor& drafts, c
 // vocabulary (q [B, >= K-1, V']; zero elsewhere), or an empty tensor; u_accept [B, K-1] float64;
 // u_emit [B] float64.
 // Returns [2, B] int64: accepted drafts per row (-1: that row's logits hold NaN / +inf or a fully
-// masked row; -2: q holds a NaN, an inf or a negative entry; the caller raises) and the emitted token.
+// masked row; -2: q holds a NaN, an inf or a negative entry; -3: a draft outside [0, V); the caller
+// raises) and the emitted token.
 torch::Tensor sampled_chain(torch::Tensor logits, torch::Tensor drafts, torch::Tensor q, torch::Tensor ids,
                             double temperature, torch::Tensor u_accept, torch::Tensor u_emit) {
     TORCH_CHECK(logits.dim() == 3 && logits.is_contiguous(), "logits must be a contiguous [B, K, V] tensor");
@@ -400,7 +403,8 @@ def sampled_chain(logits: Tensor, drafts: Tensor, draft_probs: Tensor | None, te
 
     Raises:
         ValueError: logits with a NaN, a +inf or a row of -inf only; draft probabilities with a
-            NaN, an inf or a negative entry in a row that tests a draft.
+            NaN, an inf or a negative entry in a row that tests a draft; a draft token outside
+            [0, V) (checked even when the caller's checks are off).
     """
     q = draft_probs.contiguous() if draft_probs is not None else logits.new_empty(0)
     if q.dtype not in (torch.float32, torch.bfloat16):
@@ -410,6 +414,8 @@ def sampled_chain(logits: Tensor, drafts: Tensor, draft_probs: Tensor | None, te
     out = load().sampled_chain(lg.contiguous(), drafts.long().contiguous(), q, ids, float(temperature),
                                u_accept.double().contiguous(), u_emit.double().reshape(-1).contiguous())
     worst = int(out[0].min())
+    if worst == -3:
+        raise ValueError(f"draft tokens must lie in [0, {logits.shape[-1]})")
     if worst == -2:
         raise ValueError("draft_probs must be finite and non-negative (processed probabilities)")
     if worst == -1:

@@ -113,6 +113,8 @@ def test_cpu_chain_kernel_raises_what_the_reference_raises():
     bad[0, 1] = float("-inf")
     with pytest.raises(ValueError, match="every token is -inf"):
         verify_chain(bad, tok, **kw)
+    with pytest.raises(ValueError, match="draft tokens must lie in"):  # the kernel's own bound, checks off
+        verify_chain(logits, torch.tensor([[3, 40]]), check=False, **kw)
     for value in (float("nan"), float("inf"), -0.1):
         q = process_logits(torch.randn(1, 2, 40), 1.0)
         q[0, 1, 17] = value
