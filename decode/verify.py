@@ -152,8 +152,8 @@ def verify_tree(target_logits: Tensor, tokens: Tensor, parents: Tensor, draft_pr
         idx = torch.arange(1, N)[None, :]
         return VerifyResult(torch.where(idx <= n[:, None], idx, -1), n, token, n)  # a chain's path: 1..n
     if draft_vocab is not None and draft_probs is not None:
-        if check:
-            _check_inputs(target_logits, tokens, parents, draft_probs, values=False, draft_vocab=draft_vocab)
+        if check:  # q's own shape and ids here; the tree and the spread q's values below, once
+            _check_draft_vocab(draft_probs, draft_vocab, B, N, V)
         draft_probs = dense_probs(draft_probs, draft_vocab, V)
     if impl == "cpu":
         raise ValueError("impl='cpu' serves seeded, temperature-only sampled chains on x86 CPUs with AVX2; "
@@ -482,6 +482,16 @@ def _cpu_chain_kernel(impl: str, logits: Tensor, temperature: float, top_k: int,
     return _is_chain(parents) and cpu_verify.available()
 
 
+def _check_draft_vocab(draft_probs: Tensor, draft_vocab: Tensor, B: int, N: int, V: int) -> None:
+    """q over a drafter's reduced vocabulary: [B, N or N-1, V'] with V' target ids in [0, V)."""
+    Vq = draft_vocab.numel()
+    if draft_vocab.dim() != 1 or draft_probs.shape not in ((B, N, Vq), (B, N - 1, Vq)):
+        raise ValueError(f"draft_probs over a draft vocabulary of {Vq} ids must be [B, N, {Vq}] "
+                         f"(or [B, N-1, {Vq}]), got {list(draft_probs.shape)}")
+    if Vq and bool(((draft_vocab < 0) | (draft_vocab >= V)).any()):
+        raise ValueError(f"draft_vocab ids must lie in [0, {V})")
+
+
 def _check_inputs(target_logits: Tensor, tokens: Tensor, parents: Tensor,
                   draft_probs: Tensor | None, *, values: bool = True, draft_vocab: Tensor | None = None) -> None:
     """Shapes, the tree's structure and the draft tokens; with `values`, also the logits'
@@ -506,12 +516,7 @@ def _check_inputs(target_logits: Tensor, tokens: Tensor, parents: Tensor,
         raise ValueError(f"draft tokens must lie in [0, {V})")
     if draft_probs is not None:
         if draft_vocab is not None:
-            Vq = draft_vocab.numel()
-            if draft_vocab.dim() != 1 or draft_probs.shape not in ((B, N, Vq), (B, N - 1, Vq)):
-                raise ValueError(f"draft_probs over a draft vocabulary of {Vq} ids must be [B, N, {Vq}] "
-                                 f"(or [B, N-1, {Vq}]), got {list(draft_probs.shape)}")
-            if Vq and bool(((draft_vocab < 0) | (draft_vocab >= V)).any()):
-                raise ValueError(f"draft_vocab ids must lie in [0, {V})")
+            _check_draft_vocab(draft_probs, draft_vocab, B, N, V)
         elif draft_probs.shape not in ((B, N, V), (B, N - 1, V)):
             raise ValueError(f"draft_probs must be [B, N, V] = [{B}, {N}, {V}] (or [B, N-1, V]), "
                              f"got {list(draft_probs.shape)}")

@@ -163,3 +163,5 @@ def test_q_over_a_reduced_draft_vocabulary_verifies_as_its_dense_spread(impl):
     assert hits > 5
     with pytest.raises(ValueError, match="draft vocabulary"):
         verify_tree(logits, tokens, par, q_small[..., :-1], draft_vocab=ids, **kw)
+    with pytest.raises(ValueError, match="draft_vocab ids must lie"):
+        verify_tree(logits, tokens, par, q_small, draft_vocab=torch.where(ids == ids[-1], V, ids), **kw)
