@@ -341,6 +341,21 @@ def _time_verify(target: nn.Module, batch: int, tokens: list[int], context: int,
     return out
 
 
+class _NoBar:
+    def update(self, n: int = 1) -> None:
+        pass
+
+
+def _warm_up(target: nn.Module, batch_sizes: list[int], tokens: list[int], context: int, seconds: float) -> None:
+    """Untimed verification forwards at the first batch size (a prefill, then the fewest and the
+    most tokens) for `seconds`, or 20 rounds on a model so small that they take no time: caches,
+    allocator and clocks reach their steady state before the first point is timed."""
+    t0, rounds = time.perf_counter(), 0
+    while time.perf_counter() - t0 < seconds and rounds < 20:
+        _time_verify(target, batch_sizes[0], sorted({tokens[0], tokens[-1]}), context, 1, _NoBar())
+        rounds += 1
+
+
 class _Timed(Proposer):
     """Wraps a proposer and times each propose + observe pair (ms)."""
 
@@ -386,7 +401,8 @@ def _time_draft(target: nn.Module, proposer, batch: int, context: int, repeats: 
 
 def measure_cost_model(target: nn.Module, proposers: dict | None = None, *, batch_sizes=(1, 2, 4, 8, 16),
                        tokens=(1, 2, 3, 4, 5, 6, 8, 12, 16), context: int = 256, repeats: int = 3,
-                       progress: bool = True, verify: bool = True, sampled: bool = True) -> CostModel:
+                       progress: bool = True, verify: bool = True, sampled: bool = True,
+                       warmup_s: float = 2.0) -> CostModel:
     """Times the target's verification forward on a grid and each proposer's draft step.
 
     Args:
@@ -399,6 +415,10 @@ def measure_cost_model(target: nn.Module, proposers: dict | None = None, *, batc
         verify: False times the proposers only (the returned model's verify_ms is then a
             placeholder {(1, 1): 0.0}: read its draft_ms, and its sampled one's).
         sampled: also time everything at T = 1 (`CostModel.sampled`); about doubles the time.
+        warmup_s: seconds of untimed verification forwards before the first timed point (each
+            point also discards its own first call). Without it the first greedy batch-1 points,
+            measured right after loading, read 10-40% high on a 2-core Xeon (session 29), and the
+            cached model steered `adaptive:` from them in every later run.
 
     Returns:
         A CostModel, with `.sampled` when `sampled`.
@@ -420,6 +440,8 @@ def measure_cost_model(target: nn.Module, proposers: dict | None = None, *, batc
     bar = tqdm(total=total, desc="profile", unit="pt", disable=not progress, dynamic_ncols=True)
     measured = []
     with torch.inference_mode():
+        if verify and warmup_s > 0:
+            _warm_up(target, batch_sizes, tokens, context, warmup_s)
         for temp in temps:
             verify_ms: dict[tuple[int, int], float] = {}
             draft_ms: dict[str, dict[int, float]] = {}

@@ -94,6 +94,25 @@ def test_measured_once_then_only_missing_proposers(tmp_path, monkeypatch):
     assert load_or_measure(model, {"ngram": load_proposer("ngram", model)}, **kw).sampled is not None
 
 
+def test_untimed_warm_up_forwards_come_before_the_first_timed_point(monkeypatch):
+    """The first greedy points are not timed cold (session 29: 10-40% high right after loading, and
+    cached for every later run): warm-up forwards at the first batch size run first, untimed."""
+    model = tiny_target("llama")
+    calls = []
+    real = costmodel_module._time_verify
+    monkeypatch.setattr(costmodel_module, "_time_verify", lambda target, b, tokens, *a, **k:
+                        calls.append((b, tuple(tokens), isinstance(a[2], costmodel_module._NoBar)))
+                        or real(target, b, tokens, *a, **k))
+    kw = dict(batch_sizes=(1, 2), tokens=(1, 3, 5), context=8, repeats=1, progress=False, sampled=False)
+    costmodel_module.measure_cost_model(model, **kw)
+    first_timed = next(i for i, c in enumerate(calls) if not c[2])
+    assert first_timed >= 1 and all(c == (1, (1, 5), True) for c in calls[:first_timed])
+    assert [c[:2] for c in calls[first_timed:]] == [(1, (1, 3, 5)), (2, (1, 3, 5))]
+    calls.clear()
+    costmodel_module.measure_cost_model(model, warmup_s=0, **kw)
+    assert not any(c[2] for c in calls)
+
+
 def test_profile_help(capsys):
     assert main(["profile", "--help"]) == 0
     out = capsys.readouterr().out
