@@ -132,6 +132,11 @@ class FusedEagle3:
         """The drafter's forward for [B, n] tokens and their [B, n, H] features at [B, n] positions, with
         `KVState.extend`'s additive mask, appending keys / values to `cache` (a KVState's DynamicCache).
         Returns (logits [B, n, Vd], hidden_out [B, n, H]) as `EagleDrafter.forward` does."""
+        h = self.hidden_out(input_ids, hidden, positions, mask, cache)
+        return self.drafter.logits(h), h
+
+    def hidden_out(self, input_ids: Tensor, hidden: Tensor, positions: Tensor, mask: Tensor, cache) -> Tensor:
+        """`forward` without the LM head: hidden_out [B, n, H] (B * n <= MAX_ROWS)."""
         from drafttrain.models.eagle import rope_cos_sin
 
         B, n = input_ids.shape
@@ -145,7 +150,7 @@ class FusedEagle3:
                                   kbuf, vbuf, L, cos.contiguous(), sin.contiguous(), mask[:, 0].float().contiguous(),
                                   self.hq, self.hkv, self.hd, self.eps, self.scaling, MAX_ROWS)
         layer.advance(n)
-        return self.drafter.logits(h), h
+        return h
 
 
 def _stack(*linears: nn.Linear) -> Tensor:

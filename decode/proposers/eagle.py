@@ -81,14 +81,26 @@ class EagleProposer(NodeDrafter):
 
     # ---- NodeDrafter hooks ----------------------------------------------------------------------
     def _run(self, ids: Tensor, hidden: Tensor, positions: Tensor, parent_slots: Tensor,
-             valid: Tensor | None = None) -> tuple[Tensor, Tensor]:
+             valid: Tensor | None = None, *, last: bool = False) -> tuple[Tensor, Tensor]:
+        """The drafter over [B, n] new tokens: (logits [B, n, Vd], or [B, 1, Vd] of the last column
+        with `last`; hidden_out [B, n, H]). With the fused layer, more than MAX_ROWS tokens (a
+        catch-up over a prompt, or over the steps a hybrid did not draft) go through it in column
+        chunks of at most MAX_ROWS tokens, each chunk's keys pending for the next: the same
+        attention as one call (parent slots index the whole pending segment)."""
         layer = fused(self.drafter)  # one C++ call for the drafter's layer (decode/kernels/cpu_layers.py)
-        if layer is not None and ids.numel() <= MAX_ROWS and not torch.is_grad_enabled():
-            mask = self.kv.extend(positions, parent_slots, valid)  # fp32, what the fused layer adds
-            return layer.forward(ids, hidden, positions, mask, self.kv.cache)
+        B, n = ids.shape
+        if layer is not None and B <= MAX_ROWS and not torch.is_grad_enabled():
+            width, hs = MAX_ROWS // B, []
+            for a in range(0, n, width):
+                cols = slice(a, a + width)
+                mask = self.kv.extend(positions[:, cols], parent_slots[:, cols],
+                                      None if valid is None else valid[:, cols])  # fp32, what the fused layer adds
+                hs.append(layer.hidden_out(ids[:, cols], hidden[:, cols], positions[:, cols], mask, self.kv.cache))
+            h = hs[0] if len(hs) == 1 else torch.cat(hs, 1)
+            return self.drafter.logits(h[:, -1:] if last else h), h
         mask = self.kv.extend(positions, parent_slots, valid, dtype=hidden.dtype)
         return self.drafter(ids, hidden, position_ids=positions, past_key_values=self.kv.cache,
-                            attention_mask=mask)  # (logits [B, n, Vd], hidden_out [B, n, H])
+                            attention_mask=mask, last_logits=last)
 
     def _begin(self, state, capacity: int) -> tuple[Tensor, int]:
         B, device = len(state.tokens), state.root.device
@@ -100,7 +112,7 @@ class EagleProposer(NodeDrafter):
         if all(len(t) == m for t in todo):  # no padding (batch 1, or rows that accepted alike): fewer ops
             pos = torch.tensor([list(range(r + 1, r + 1 + m)) for r in self.read], device=device)
             parents = torch.tensor([[-1, *range(m - 1)]] * B, device=device)
-            logits, h_out = self._run(torch.tensor(todo, device=device), torch.stack(feats), pos, parents)
+            logits, h_out = self._run(torch.tensor(todo, device=device), torch.stack(feats), pos, parents, last=True)
             self.kv.commit(torch.arange(m, device=device).expand(B, m), prefix=True)
             return self._caught_up(state, capacity, logits, h_out, dtype)
         ids = torch.zeros(B, m, dtype=torch.long, device=device)
@@ -117,7 +129,7 @@ class EagleProposer(NodeDrafter):
             pos[b, m - n :] = torch.arange(self.read[b] + 1, self.read[b] + 1 + n, device=device)
         col = torch.arange(m, device=device).expand(B, m)
         parents = torch.where(valid & (col > 0) & valid.roll(1, 1), col - 1, -1)
-        logits, h_out = self._run(ids, hid, pos, parents, valid)
+        logits, h_out = self._run(ids, hid, pos, parents, valid, last=True)
         self.kv.commit(torch.where(valid, col, -1))
         return self._caught_up(state, capacity, logits, h_out, dtype)
 

@@ -386,6 +386,7 @@ class EagleDrafter(DraftVocab, nn.Module):
         *,
         ttt_steps: int = 0,
         valid: Tensor | None = None,
+        last_logits: bool = False,
     ):
         """One drafting pass (inference), or with `ttt_steps > 0` the training unroll.
 
@@ -401,6 +402,8 @@ class EagleDrafter(DraftVocab, nn.Module):
                 new keys/values are appended to it.
             attention_mask: optional [B, 1, T, S] bool (True = attend) or additive float mask
                 over the S = past + T keys; default: causal over the new tokens, all past visible.
+            last_logits: logits of the last position only ([B, 1, Vd]): a catch-up over many
+                tokens needs just those, and the head is about 45% of a token's work.
 
         Returns:
             (logits [B, T, Vd], hidden_out [B, T, H]).
@@ -422,7 +425,7 @@ class EagleDrafter(DraftVocab, nn.Module):
         # grouped-query attention without copying the cache per query head
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask, enable_gqa=k.shape[1] != q.shape[1])
         hidden_out = self._finish(attn.out(o), residual)
-        return self.logits(hidden_out), hidden_out
+        return self.logits(hidden_out[:, -1:] if last_logits else hidden_out), hidden_out
 
     def forward_ttt(
         self, input_ids: Tensor, hidden: Tensor, valid: Tensor, steps: int

@@ -174,6 +174,48 @@ def test_a_fused_eagle3_draft_step_gives_the_drafters_own_logits_and_features(tm
         cpu_linear.uninstall(target)
 
 
+def test_a_catch_up_longer_than_the_kernels_rows_runs_fused_in_chunks(tmp_path, backend, monkeypatch):
+    """A catch-up over more tokens than the fused layer takes in one call (a prompt, or the steps a
+    hybrid drafted with n-gram) goes through it in column chunks, each chunk's keys pending for the
+    next: the features and the last position's logits of the drafter's own PyTorch forward in one
+    call, and the next draft step over that cache agrees too."""
+    target, proposer = _bf16_llama_with_eagle3(tmp_path, backend)
+    try:
+        layer = cpu_layers.fused(proposer.drafter)
+        calls = []
+        real = type(layer).hidden_out
+        monkeypatch.setattr(type(layer), "hidden_out", lambda self, ids, *a: calls.append(ids.shape) or real(self, ids, *a))
+        H, B = proposer.drafter.cfg.hidden_size, 2
+        P = cpu_layers.MAX_ROWS // B + 13  # two chunks per row
+
+        def run(fused: bool):
+            with cpu_layers.detached(proposer.drafter) if not fused else nullcontext(), torch.inference_mode():
+                gen = torch.Generator().manual_seed(4)
+                proposer.kv = KVState(B, torch.device("cpu"))
+                ids = torch.randint(3, 257, (B, P), generator=gen)
+                feats = (torch.randn(B, P, H, generator=gen) * 2).bfloat16()
+                valid = torch.ones(B, P, dtype=torch.bool)
+                valid[1, :5] = False  # row 1: five pads on the left
+                pos = (valid.long().cumsum(1) - 1).clamp(min=0)
+                col = torch.arange(P).expand(B, P)
+                parents = torch.where(valid & (col > 0) & valid.roll(1, 1), col - 1, -1)
+                l1, h1 = proposer._run(ids, feats, pos, parents, valid, last=True)
+                proposer.kv.commit(torch.where(valid, col, -1))
+                tok = torch.randint(3, 257, (B, 2), generator=gen)
+                l2, h2 = proposer._run(tok, h1[:, -1:].expand(B, 2, H).contiguous(), pos[:, -1:] + 1 + torch.arange(2),
+                                       torch.tensor([[-1, 0]] * B))
+                return l1, h1[valid], l2, h2
+
+        got = run(True)
+        assert [tuple(c) for c in calls] == [(B, cpu_layers.MAX_ROWS // B), (B, 13), (B, 2)]
+        want = run(False)
+        assert got[0].shape == (B, 1, want[0].shape[-1])  # the last position's logits only
+        for g, w in zip(got, want):
+            assert g.shape == w.shape and _ulps(g, w) <= 4, _ulps(g, w)
+    finally:
+        cpu_linear.uninstall(target)
+
+
 def test_the_fused_attention_does_not_depend_on_how_many_threads_split_it(backend):
     # queries sharing a KV head are split into one task per thread; each query's sums keep one order
     target = _bf16_gemma(backend)
