@@ -134,6 +134,20 @@ def _bf16_llama_with_eagle3(tmp_path, backend: str):
     return target, load_proposer(str(folder), target)
 
 
+def _left_padded_catch_up(proposer, gen, B: int, P: int, H: int, *, pads: int):
+    """A fresh drafter KV and a catch-up of P tokens per row, row 1 with `pads` pads on the left:
+    (ids, features, valid, positions, columns, parent slots) as `EagleProposer._begin` builds them."""
+    proposer.kv = KVState(B, torch.device("cpu"))
+    ids = torch.randint(3, 257, (B, P), generator=gen)
+    feats = (torch.randn(B, P, H, generator=gen) * 2).bfloat16()
+    valid = torch.ones(B, P, dtype=torch.bool)
+    valid[1, :pads] = False
+    pos = (valid.long().cumsum(1) - 1).clamp(min=0)
+    col = torch.arange(P).expand(B, P)
+    parents = torch.where(valid & (col > 0) & valid.roll(1, 1), col - 1, -1)
+    return ids, feats, valid, pos, col, parents
+
+
 def test_a_fused_eagle3_draft_step_gives_the_drafters_own_logits_and_features(tmp_path, backend):
     """The EAGLE-3 drafter's layer as one C++ call (catch-up over left-padded rows, then a branching
     tree of drafts over the growing cache) gives the logits and output features of the drafter's own
@@ -147,14 +161,7 @@ def test_a_fused_eagle3_draft_step_gives_the_drafters_own_logits_and_features(tm
             with cpu_layers.detached(proposer.drafter) if not fused else nullcontext(), torch.inference_mode():
                 gen = torch.Generator().manual_seed(3)
                 B, P = 2, 9
-                proposer.kv = KVState(B, torch.device("cpu"))
-                ids = torch.randint(3, 257, (B, P), generator=gen)
-                feats = (torch.randn(B, P, H, generator=gen) * 2).bfloat16()
-                valid = torch.ones(B, P, dtype=torch.bool)
-                valid[1, :2] = False  # row 1: two pads on the left
-                pos = (valid.long().cumsum(1) - 1).clamp(min=0)
-                col = torch.arange(P).expand(B, P)
-                parents = torch.where(valid & (col > 0) & valid.roll(1, 1), col - 1, -1)
+                ids, feats, valid, pos, col, parents = _left_padded_catch_up(proposer, gen, B, P, H, pads=2)
                 l1, h1 = proposer._run(ids, feats, pos, parents, valid)
                 proposer.kv.commit(torch.where(valid, col, -1))
                 # two drafts under the last committed token, then one under the first of them
@@ -191,14 +198,7 @@ def test_a_catch_up_longer_than_the_kernels_rows_runs_fused_in_chunks(tmp_path, 
         def run(fused: bool):
             with cpu_layers.detached(proposer.drafter) if not fused else nullcontext(), torch.inference_mode():
                 gen = torch.Generator().manual_seed(4)
-                proposer.kv = KVState(B, torch.device("cpu"))
-                ids = torch.randint(3, 257, (B, P), generator=gen)
-                feats = (torch.randn(B, P, H, generator=gen) * 2).bfloat16()
-                valid = torch.ones(B, P, dtype=torch.bool)
-                valid[1, :5] = False  # row 1: five pads on the left
-                pos = (valid.long().cumsum(1) - 1).clamp(min=0)
-                col = torch.arange(P).expand(B, P)
-                parents = torch.where(valid & (col > 0) & valid.roll(1, 1), col - 1, -1)
+                ids, feats, valid, pos, col, parents = _left_padded_catch_up(proposer, gen, B, P, H, pads=5)
                 l1, h1 = proposer._run(ids, feats, pos, parents, valid, last=True)
                 proposer.kv.commit(torch.where(valid, col, -1))
                 tok = torch.randint(3, 257, (B, 2), generator=gen)
