@@ -51,11 +51,44 @@ def test_interpolation_is_monotone_and_extrapolates_linearly():
         assert all(a <= b + 1e-9 for a, b in zip(row, row[1:]))
     for col in zip(*table):  # more rows never cost less
         assert all(a <= b + 1e-9 for a, b in zip(col, col[1:]))
-    assert cm.verify_time(1, 2) == 5.5 and cm.verify_time(2, 1) == pytest.approx(5.0 + 2.0 / 3)
+    # (4, 1) 7.0 and (4, 2) 6.8 pool to 6.9 each (a running max would read 7.0 for both)
+    assert cm.verify_time(1, 2) == 5.5 and cm.verify_time(2, 1) == pytest.approx(5.0 + 1.9 / 3)
     # beyond the grid: the last segment's slope (tokens: +0.5 ms per token at batch 1)
     assert cm.verify_time(1, 7) == pytest.approx(6.0 + 4 * 0.5)
-    assert cm.verify_time(16, 1) - cm.verify_time(8, 1) == pytest.approx(8 * (9.0 - 7.0) / 4)
+    assert cm.verify_time(16, 1) - cm.verify_time(8, 1) == pytest.approx(8 * (9.0 - 6.9) / 4)
     assert cm.draft_time("eagle", 4) == pytest.approx(0.5 + 3 / 7) and cm.draft_time("eagle", 15) == pytest.approx(2.5)
+
+
+def test_one_slow_point_is_averaged_with_its_neighbours_not_carried_to_longer_chains():
+    """Session 31's sampled batch-1 row: 4 tokens read 29.2 ms, 5 tokens 26.5. A running max priced
+    4, 5 and 6 tokens alike at 29.2, so every chain of 3+ drafts looked slower than it is; the
+    monotone least-squares fit pools the two readings and leaves the other points as measured."""
+    row = [21.4, 23.3, 26.1, 29.2, 26.5, 28.6, 29.6]
+    cm = CostModel({(1, t): v for t, v in zip([1, 2, 3, 4, 5, 6, 8], row)})
+    assert [cm.verify_time(1, t) for t in (1, 2, 3)] == [21.4, 23.3, 26.1]
+    assert cm.verify_time(1, 4) == cm.verify_time(1, 5) == pytest.approx((29.2 + 26.5) / 2)
+    assert cm.verify_time(1, 6) == 28.6 and cm.verify_time(1, 8) == 29.6
+    # the same for draft costs: a slow batch-2 step is pooled with batch 4, batch 1 stays as measured
+    cm = CostModel({(1, 1): 1.0}, {"eagle": {1: 1.2, 2: 2.0, 4: 1.6}})
+    assert cm.draft_time("eagle", 1) == 1.2 and cm.draft_time("eagle", 2) == cm.draft_time("eagle", 4) == pytest.approx(1.8)
+
+
+def test_the_points_of_a_batch_size_are_timed_round_robin(monkeypatch):
+    """A slow spell of a shared machine must not land on one point's calls only: the timed calls of
+    one batch size visit every token count once per round, after one untimed round."""
+    from drafttrain.decode import kv as kv_module
+
+    model = tiny_target("llama")
+    seen = []
+    real = kv_module.target_forward
+    monkeypatch.setattr(kv_module, "target_forward", lambda target, kv, ids, *a, **k:
+                        seen.append(ids.shape[1]) or real(target, kv, ids, *a, **k))
+    for temperature in (0.0, 1.0):
+        seen.clear()
+        out = costmodel_module._time_verify(model, 2, [1, 3, 5], 8, 2, costmodel_module._NoBar(),
+                                            temperature=temperature)
+        assert seen == [8] + [1, 3, 5] * 3  # the prefill, then rounds 0 (untimed), 1 and 2
+        assert set(out) == {(2, 1), (2, 3), (2, 5)} and all(v > 0 for v in out.values())
 
 
 def test_draft_time_of_unmeasured_proposers():
