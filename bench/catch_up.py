@@ -1,19 +1,20 @@
-"""What an EAGLE drafter's catch-up over many tokens costs: the fused layer in chunks vs PyTorch.
+"""What an EAGLE drafter's catch-up over many tokens costs: the path it takes now vs the others.
 
 Why: before its first draft of a generation the drafter reads the whole prompt (and, in a hybrid,
 every token the other part's drafts emitted since it last ran) with the target's features. Until
 session 30 a catch-up of more than the fused layer's MAX_ROWS tokens went through the drafter's
 PyTorch forward and computed the LM head (8,192 draft-vocabulary rows) at every position, though
-only the last position's logits start the tree; on `bench=mixed` (48 new tokens) that first catch-up
-is a visible share of a hybrid's decode. Now it runs through the fused layer in chunks and
-computes the head for the last position only.
+only the last position's logits start the tree. Session 30 sent it through the fused layer in
+64-row chunks with the last position's logits; this script, run in session 31 on the Xeon, found
+the chunks slower than PyTorch's forward (85 tokens: 6.4 vs 5.0 ms at batch 1, 19.9 vs 10.1 ms at
+batch 4), so now up to MAX_ROWS rows run fused in one call and more through PyTorch, with the last
+position's logits either way.
 
 What: loads the target and the drafter as `drafttrain eval` does (the target's linear kernel, the
 drafter fused through it), then times `EagleProposer._run` over a catch-up of N tokens per row at
-each batch size, three ways: fused in chunks with the last position's logits (today's path),
-PyTorch's forward with the last position's logits, and the path before (B * N <= MAX_ROWS: the
-fused layer in one call, more: PyTorch's forward; every position's logits either way). Median of
-`--repeats` calls after one warm-up call.
+each batch size, three ways: today's path with the last position's logits, PyTorch's forward with
+the last position's logits, and the path before session 30 (the same routing, every position's
+logits). Median of `--repeats` calls after one warm-up call.
 
     python bench/catch_up.py runs/eagle/drafter --tokens 16,85,256 --batch-sizes 1,4
 """
@@ -49,7 +50,6 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def _time(prop, B: int, n: int, repeats: int, *, fused: bool, last: bool) -> float:
-    # fused=True with B * n > MAX_ROWS runs in chunks (today); the path before never did
     """Median ms of one catch-up of n tokens per row at batch B (a fresh KV each call)."""
     H, V = prop.drafter.cfg.hidden_size, prop.drafter.cfg.vocab_size
     dtype = next(prop.drafter.parameters()).dtype
@@ -80,7 +80,7 @@ def main(argv=None) -> int:
     if cpu_layers.fused(getattr(prop, "drafter", None)) is None:
         raise SystemExit(f"{args.drafter}: not an EAGLE-3 drafter running through a fused layer on this CPU")
     print(f"catch-up of N tokens per row, median of {args.repeats} calls, ms ({args.threads} threads)")
-    print("| batch | N | now: fused (chunked), last logits | PyTorch, last logits | before: every position's logits | before / now |")
+    print("| batch | N | now (fused up to MAX_ROWS rows, else PyTorch), last logits | PyTorch, last logits | before session 30: every position's logits | before / now |")
     print("|---|---|---|---|---|---|")
     for B in (int(b) for b in args.batch_sizes.split(",")):
         for n in (int(t) for t in args.tokens.split(",")):

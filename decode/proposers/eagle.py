@@ -83,20 +83,15 @@ class EagleProposer(NodeDrafter):
     def _run(self, ids: Tensor, hidden: Tensor, positions: Tensor, parent_slots: Tensor,
              valid: Tensor | None = None, *, last: bool = False) -> tuple[Tensor, Tensor]:
         """The drafter over [B, n] new tokens: (logits [B, n, Vd], or [B, 1, Vd] of the last column
-        with `last`; hidden_out [B, n, H]). With the fused layer, more than MAX_ROWS tokens (a
-        catch-up over a prompt, or over the steps a hybrid did not draft) go through it in column
-        chunks of at most MAX_ROWS tokens, each chunk's keys pending for the next: the same
-        attention as one call (parent slots index the whole pending segment)."""
+        with `last`; hidden_out [B, n, H]). Up to MAX_ROWS rows in all go through the fused layer in
+        one call; more (a catch-up over a prompt, or over the steps a hybrid did not draft) through
+        PyTorch's forward, whose GEMMs beat the fused layer in 64-row chunks there (Xeon, session 31,
+        `bench/catch_up.py`: 85 tokens 5.0 vs 6.4 ms at batch 1, 10.1 vs 19.9 ms at batch 4)."""
         layer = fused(self.drafter)  # one C++ call for the drafter's layer (decode/kernels/cpu_layers.py)
         B, n = ids.shape
-        if layer is not None and B <= MAX_ROWS and not torch.is_grad_enabled():
-            width, hs = MAX_ROWS // B, []
-            for a in range(0, n, width):
-                cols = slice(a, a + width)
-                mask = self.kv.extend(positions[:, cols], parent_slots[:, cols],
-                                      None if valid is None else valid[:, cols])  # fp32, what the fused layer adds
-                hs.append(layer.hidden_out(ids[:, cols], hidden[:, cols], positions[:, cols], mask, self.kv.cache))
-            h = hs[0] if len(hs) == 1 else torch.cat(hs, 1)
+        if layer is not None and B * n <= MAX_ROWS and not torch.is_grad_enabled():
+            mask = self.kv.extend(positions, parent_slots, valid)  # fp32, what the fused layer adds
+            h = layer.hidden_out(ids, hidden, positions, mask, self.kv.cache)
             return self.drafter.logits(h[:, -1:] if last else h), h
         mask = self.kv.extend(positions, parent_slots, valid, dtype=hidden.dtype)
         return self.drafter(ids, hidden, position_ids=positions, past_key_values=self.kv.cache,
