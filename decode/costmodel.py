@@ -340,13 +340,13 @@ def _time_verify(target: nn.Module, batch: int, tokens: list[int], context: int,
     new_all = torch.randint(0, vocab, (batch, t_max), generator=g).to(device)
     q_all = torch.rand(batch, t_max, vocab, generator=g).to(device).softmax(-1) if temperature > 0 else None
     times: dict[int, list[float]] = {t: [] for t in tokens}
+    inputs = {t: (new_all[:, :t], context + torch.arange(t, device=device).expand(batch, -1),
+                  torch.arange(-1, t - 1, device=device).expand(batch, -1)) for t in tokens}  # ids, positions, parents
     # Round-robin: round 0 warms every point up untimed, then each round times every point once, so
     # a slow spell of a shared machine lands on several points a little, not on one point's calls.
     for r in range(repeats + 1):
         for t in tokens:
-            new = new_all[:, :t]
-            pos = context + torch.arange(t, device=device).expand(batch, -1)
-            parents = torch.arange(-1, t - 1, device=device).expand(batch, -1)
+            new, pos, parents = inputs[t]
             _sync(device)
             t0 = time.perf_counter()
             if temperature > 0:
