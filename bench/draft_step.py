@@ -181,7 +181,7 @@ def op_table(target, proposer, prompts: list[torch.Tensor], *, temperature: floa
     from torch.profiler import profile as torch_profile
     from torch.profiler import record_function
 
-    orig = EagleProposer.propose
+    orig, own = EagleProposer.propose, "propose" in vars(EagleProposer)
 
     def labelled(self, state):
         with record_function("DRAFT_STEP_PROPOSE"):
@@ -194,7 +194,10 @@ def op_table(target, proposer, prompts: list[torch.Tensor], *, temperature: floa
                 speculative_generate(target, proposer, ids, max_new_tokens=new_tokens, temperature=temperature,
                                      gamma=gamma, seed=i if temperature > 0 else None, eos_token_id=[])
     finally:
-        EagleProposer.propose = orig
+        if own:
+            EagleProposer.propose = orig
+        else:
+            del EagleProposer.propose
     calls = [e for e in prof.events() if e.name == "DRAFT_STEP_PROPOSE"]
     count, self_us = {}, {}
 
