@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from drafttrain.config import LINEAR_BACKEND_HELP, LINEAR_BACKENDS
+from drafttrain.config import DRAFT_WEIGHTS, DRAFT_WEIGHTS_HELP, LINEAR_BACKEND_HELP, LINEAR_BACKENDS
 from drafttrain.decode import load_proposer, speculative_generate
 from drafttrain.decode.kernels import cpu_layers, cpu_linear
 from drafttrain.decode.kv import KVState
@@ -75,6 +75,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--ops", type=int, default=0, help="also list this many aten ops by time per propose call")
     p.add_argument("--linear-backend", default="auto", choices=LINEAR_BACKENDS,
                    help="the target's linear layers (decode/kernels/cpu_linear.py): " + LINEAR_BACKEND_HELP)
+    p.add_argument("--draft-weights", default="auto", choices=DRAFT_WEIGHTS, help=DRAFT_WEIGHTS_HELP)
     return p.parse_args(argv)
 
 
@@ -170,9 +171,17 @@ def table(acc: dict[str, list], totals: dict) -> list[str]:
 
 def draft_weight_bytes(drafter) -> int:
     """Bytes one draft forward reads: the decoder layer and the LM head (the embedding is a gather; the
-    feature fc runs on the target's features once per accepted token, not per draft)."""
-    mods = [drafter.midlayer, drafter.norm, drafter.lm_head]
-    return sum(p.numel() * p.element_size() for m in mods for p in m.parameters())
+    feature fc runs on the target's features once per accepted token, not per draft); a linear moved
+    to 7-bit weights (`cpu_linear.quantize`) counts its codes and scales."""
+    total = 0
+    for root in (drafter.midlayer, drafter.norm, drafter.lm_head):
+        for mod in root.modules():
+            fwd = vars(mod).get("forward")
+            if hasattr(fwd, "u"):
+                total += fwd.u.numel() * fwd.u.element_size() + fwd.s.numel() * fwd.s.element_size()
+            else:
+                total += sum(p.numel() * p.element_size() for p in mod.parameters(recurse=False))
+    return total
 
 
 def op_table(target, proposer, prompts: list[torch.Tensor], *, temperature: float, gamma: int, new_tokens: int,
@@ -226,7 +235,7 @@ def main(argv=None) -> int:
 
     target, tok, _ = load_target(args.target, dtype="bfloat16")
     target.eval()
-    print(cpu_linear.setup(target, args.linear_backend))
+    print(cpu_linear.setup(target, args.linear_backend, args.draft_weights))
     prop = load_proposer(args.drafter, target, tokenizer=tok)
     if not isinstance(prop, EagleProposer):
         raise SystemExit(f"{args.drafter}: not an EAGLE drafter (this script times EagleProposer's sections)")

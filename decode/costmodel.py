@@ -51,7 +51,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from drafttrain.decode.kernels.cpu_linear import KERNELS, installed_backend
+from drafttrain.decode.kernels.cpu_linear import KERNELS, draft_weights_of, installed_backend
 from drafttrain.decode.proposers.base import Proposer, proposer_key
 
 __all__ = ["CostModel", "measure_cost_model", "load_or_measure", "proposer_key", "FREE_PROPOSERS",
@@ -285,7 +285,7 @@ def _identity(target: nn.Module) -> dict:
             "model_type": target.config.model_type, "config_hash": config_hash,
             "params": sum(q.numel() for q in target.parameters()), "dtype": str(p.dtype).replace("torch.", ""),
             "device": _device_name(p.device), "threads": torch.get_num_threads(), "torch": torch.__version__,
-            "linear": installed_backend(target)}
+            "linear": installed_backend(target), "draft_weights": draft_weights_of(target)}
 
 
 def _decoder_source_hash() -> str:
@@ -310,6 +310,8 @@ def _cache_file(identity: dict, cache_dir: str | Path) -> Path:
             keyed["rows"] = "1+"  # session 21: one row and prefill through the AVX2 kernel too (was 2-64)
         if identity["linear"] in KERNELS:  # session 22: any change to the kernel's source re-measures
             keyed["kernel_source"] = hashlib.sha256(KERNELS[identity["linear"]].source.encode()).hexdigest()[:16]
+    if identity.get("draft_weights", "bf16") != "bf16":  # session 33: 7-bit drafters step faster
+        keyed["draft_weights"] = identity["draft_weights"]
     keyed["decoder_source"] = _decoder_source_hash()  # session 24: so does any change to the decoder's code
     digest = hashlib.sha256(json.dumps(keyed, sort_keys=True).encode()).hexdigest()[:16]
     return Path(cache_dir).expanduser() / f"{identity['model_type']}-{digest}.json"

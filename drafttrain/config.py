@@ -28,6 +28,11 @@ RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
 # The decode-time linear kernels a config may name (decode/kernels/cpu_linear.py implements them).
 # They live here, not there, so that configs and `--help` never import torch.
 LINEAR_BACKENDS = ("auto", "aten", "avx2", "avx512", "amx")
+#: precisions of loaded drafters' weights in CPU decode steps (decode/kernels/cpu_linear.py)
+DRAFT_WEIGHTS = ("auto", "bf16", "int7")
+DRAFT_WEIGHTS_HELP = ("loaded drafters' linear layers in decode steps: auto (7-bit weights with a per-row scale on the "
+                      "AVX-512 bf16 / AMX kernels, half the bytes a draft step reads; bf16 elsewhere), bf16 (as trained), "
+                      "int7; lossless either way (the target verifies every draft)")
 #: what `auto` resolves to, said once for every --help that offers a backend
 LINEAR_BACKEND_HELP = ("auto (for bf16 targets: the AMX kernel where the CPU and Linux allow AMX tiles, else the AVX-512 "
                        "bf16 kernel on x86 CPUs with AVX-512 bf16, the AVX2 kernel on those with AVX2 only, else "

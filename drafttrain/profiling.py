@@ -16,7 +16,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from drafttrain.config import LINEAR_BACKEND_HELP, LINEAR_BACKENDS, ConfigError, field_
+from drafttrain.config import (
+    DRAFT_WEIGHTS,
+    DRAFT_WEIGHTS_HELP,
+    LINEAR_BACKEND_HELP,
+    LINEAR_BACKENDS,
+    ConfigError,
+    field_,
+)
 from drafttrain.errors import first_line
 
 __all__ = ["ProfileConfig", "run_profile", "plot_cost_model", "help_text"]
@@ -39,6 +46,7 @@ class ProfileConfig:
     refresh: bool = field_(False, help="re-measure even when the cache has it")
     progress: bool = field_(True, help="show a progress bar with ETA")
     linear_backend: str = field_("auto", help="the target's linear layers, as in `drafttrain eval` (part of the cache key): " + LINEAR_BACKEND_HELP, choices=LINEAR_BACKENDS)
+    draft_weights: str = field_("auto", help="as in `drafttrain eval` (part of the cache key): " + DRAFT_WEIGHTS_HELP, choices=DRAFT_WEIGHTS)
 
     def __post_init__(self) -> None:
         if not self.batch_sizes or not self.tokens or min(self.batch_sizes) < 1 or min(self.tokens) < 1:
@@ -108,7 +116,7 @@ def run_profile(cfg: ProfileConfig):
     device = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     target, tokenizer, _ = load_target(cfg.target, dtype=cfg.dtype, device=device)
     try:
-        print(cpu_linear.setup(target, cfg.linear_backend), flush=True)
+        print(cpu_linear.setup(target, cfg.linear_backend, cfg.draft_weights), flush=True)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     proposers = {}

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from drafttrain.config import LINEAR_BACKEND_HELP, LINEAR_BACKENDS, field_
+from drafttrain.config import DRAFT_WEIGHTS, DRAFT_WEIGHTS_HELP, LINEAR_BACKEND_HELP, LINEAR_BACKENDS, field_
 from drafttrain.data import DataConfig
 from drafttrain.errors import EvalError
 
@@ -45,6 +45,7 @@ class EvalConfig:
     top_p: float = field_(1.0, help="sampling top-p (1 = off), same for every method")
     gamma: int = field_(0, help="drafts per step for chains; 0 = each proposer's default")
     linear_backend: str = field_("auto", help="the target's linear layers during decoding (decode/kernels/cpu_linear.py): " + LINEAR_BACKEND_HELP + "; loaded drafters run through the same kernel; HF baselines always run PyTorch's", choices=LINEAR_BACKENDS)
+    draft_weights: str = field_("auto", help=DRAFT_WEIGHTS_HELP, choices=DRAFT_WEIGHTS)
     tree: str = field_("chain", help="draft shape", choices=("chain", "dynamic"))
     tree_depth: int = field_(5, help="dynamic tree depth (EAGLE-2)")
     tree_top_k: int = field_(4, help="dynamic tree top-k per node")

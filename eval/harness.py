@@ -266,7 +266,7 @@ def _install_linear_backend(cfg: EvalConfig, target) -> None:
     from drafttrain.decode.kernels import cpu_linear
 
     try:
-        line = cpu_linear.setup(target, cfg.linear_backend)
+        line = cpu_linear.setup(target, cfg.linear_backend, cfg.draft_weights)
     except ValueError as e:
         raise EvalError(str(e)) from None
     if cpu_linear.installed_backend(target) != "aten":

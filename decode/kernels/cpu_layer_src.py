@@ -321,27 +321,39 @@ torch::Tensor gemma3_layer(torch::Tensor h, std::vector<torch::Tensor> w, std::v
 // token embeddings e and features f, bf16 [B, n, H] -> the layer's output bf16 [B, n, H]. The
 // attention input is [norm(e) | norm(f)] (2H wide), the residual is f. w: q, k and v stacked
 // ([(Hq + 2 Hkv) hd, 2H]), o, gate and up stacked ([2 I, H]), down; s: fp32 weights of the
-// embedding, feature and post-attention norms. Cache and mask as `gemma3_layer`.
-torch::Tensor eagle3_layer(torch::Tensor e, torch::Tensor f, std::vector<torch::Tensor> w, std::vector<torch::Tensor> s,
+// embedding, feature and post-attention norms; q: empty, or the 7-bit weights of the four (u, s for
+// each: 8 tensors) for steps of at most kQ7Rows rows. Cache and mask as `gemma3_layer`.
+// Projection i of the drafter's layer: through the 7-bit kernel where q holds its weights (u, s per
+// projection, cpu_linear_src.Q7_SOURCE) and the rows fit it; else the bf16 weights (the dequantized
+// ones when q is set) through the backend's layer_linear.
+static torch::Tensor project(const torch::Tensor& x, const std::vector<torch::Tensor>& w,
+                             const std::vector<torch::Tensor>& q, size_t i, int64_t chunk) {
+    if (!q.empty() && x.numel() <= kQ7Rows * w[i].size(1)) return q7_linear_bf16(x, q[2 * i], q[2 * i + 1]);
+    return layer_linear(x, w[i], chunk);
+}
+
+torch::Tensor eagle3_layer(torch::Tensor e, torch::Tensor f, std::vector<torch::Tensor> w, std::vector<torch::Tensor> q,
+                           std::vector<torch::Tensor> s,
                            torch::Tensor kbuf, torch::Tensor vbuf, int64_t L, torch::Tensor cos,
                            torch::Tensor sin, torch::Tensor mask, int64_t Hq, int64_t Hkv, int64_t hd,
                            double eps, double scaling, int64_t chunk) {
     TORCH_CHECK(e.dtype() == torch::kBFloat16 && f.dtype() == torch::kBFloat16 && e.dim() == 3 && e.is_contiguous() &&
                 f.is_contiguous() && f.sizes() == e.sizes(), "e, f: contiguous bf16 [B, n, H] of one shape");
     TORCH_CHECK(w.size() == 4 && s.size() == 3, "4 weights (qkv, o, gate-up, down) and 3 norm weights");
+    TORCH_CHECK(q.empty() || q.size() == 8, "q: empty or (u, s) for each of the 4 weights");
     const int64_t n = e.size(1), H = e.size(2), M = e.size(0) * n;
     auto f2 = f.view({M, H});
     auto x = torch::cat({rms_norm(e.view({M, H}), s[0], eps, true), rms_norm(f2, s[1], eps, true)}, 1);  // [M, 2H]
-    auto qkv = layer_linear(x, w[0], chunk);
+    auto qkv = project(x, w, q, 0, chunk);
     auto att = attention_block(qkv, nullptr, nullptr, eps, kbuf, vbuf, L, cos, sin, mask, n, Hq, Hkv, hd, scaling);
-    auto h1 = add_bf16(f2, layer_linear(att, w[1], chunk));
-    auto gu = layer_linear(rms_norm(h1, s[2], eps, true), w[2], chunk);  // [M, 2 I]: gate | up
+    auto h1 = add_bf16(f2, project(att, w, q, 1, chunk));
+    auto gu = project(rms_norm(h1, s[2], eps, true), w, q, 2, chunk);  // [M, 2 I]: gate | up
     const int64_t I = gu.size(1) / 2;
     auto act = torch::empty({M, I}, e.options());
     uint16_t* ap = wbits(act);
     const uint16_t* gup = bits(gu);
     for (int64_t m = 0; m < M; ++m) silu_gate(gup + m * 2 * I, gup + m * 2 * I + I, ap + m * I, I);
-    return add_bf16(h1, layer_linear(act, w[3], chunk)).view(e.sizes());
+    return add_bf16(h1, project(act, w, q, 3, chunk)).view(e.sizes());
 }
 """
 

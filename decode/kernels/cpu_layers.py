@@ -125,6 +125,13 @@ class FusedEagle3:
         a, mlp = m.self_attn, m.mlp
         self.weights = [_stack(a.q_proj, a.k_proj, a.v_proj), a.o_proj.weight, _stack(mlp.gate_proj, mlp.up_proj),
                         mlp.down_proj.weight]
+        # 7-bit codes (u, s) of the four, where `cpu_linear.quantize` moved all seven linears to them
+        groups = [(a.q_proj, a.k_proj, a.v_proj), (a.o_proj,), (mlp.gate_proj, mlp.up_proj), (mlp.down_proj,)]
+        fwds = [[vars(lin).get("forward") for lin in g] for g in groups]
+        self.q = []
+        if all(hasattr(f, "u") for g in fwds for f in g):
+            for g in fwds:
+                self.q += [torch.cat([f.u for f in g]), torch.cat([f.s for f in g])]
         self.norms = norms  # the installed `_Norm`s of the embedding, feature and post-attention norms
         self.eps = float(norms[0].eps)
 
@@ -146,7 +153,7 @@ class FusedEagle3:
             cache.layers.append(cache.layer_class_to_replicate())
         layer = cache.layers[0]
         kbuf, vbuf, L = layer.reserve((B, self.hkv), n, self.hd, hidden.dtype, hidden.device)
-        h = self.ext.eagle3_layer(emb.contiguous(), hidden.contiguous(), self.weights, [nm.scale() for nm in self.norms],
+        h = self.ext.eagle3_layer(emb.contiguous(), hidden.contiguous(), self.weights, self.q, [nm.scale() for nm in self.norms],
                                   kbuf, vbuf, L, cos.contiguous(), sin.contiguous(), mask[:, 0].float().contiguous(),
                                   self.hq, self.hkv, self.hd, self.eps, self.scaling, MAX_ROWS)
         layer.advance(n)

@@ -82,16 +82,21 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from drafttrain.config import LINEAR_BACKENDS
+from drafttrain.config import DRAFT_WEIGHTS, LINEAR_BACKENDS
 from drafttrain.decode.kernels import cpu_layer_src as _layer_src
 from drafttrain.decode.kernels import cpu_layers
 from drafttrain.decode.kernels import cpu_linear_avx2_src as _avx2_src
 from drafttrain.decode.kernels import cpu_linear_src as _src
 
 __all__ = ["KERNELS", "build_lock", "head_argmax", "routes", "BACKENDS", "available", "bf16_linear", "install", "installed_backend", "setup", "is_installed", "paused", "routed_norms",
-           "uninstall", "resolve_backend", "wants_amx_linear", "wants_avx2_linear", "wants_avx512_linear"]
+           "uninstall", "resolve_backend", "DRAFT_WEIGHTS", "Q7_BACKENDS", "draft_weights_of", "quantize", "quantizes", "q7_weights", "wants_amx_linear", "wants_avx2_linear", "wants_avx512_linear"]
 
 BACKENDS = LINEAR_BACKENDS
+#: the kernels with the 7-bit weight path (`cpu_linear_src.Q7_SOURCE`)
+Q7_BACKENDS = ("avx512", "amx")
+#: rows of input the 7-bit kernel serves in one call (`kQ7Rows`); more take the dequantized bf16 weights
+Q7_MAX_ROWS = 8
+_DRAFT_ATTR = "_drafttrain_draft_weights"
 
 
 class _Kernel:
@@ -202,11 +207,11 @@ KERNELS = {
                     + _layer_src.LAYER_BINDINGS + "}\n", {"avx2", "fma"}, ["-mavx2", "-mfma"], (1, 64),
                     chunked=True),
     # the AVX-512 extensions also hold the fused layers (cpu_layer_src), over their own `layer_linear`
-    "avx512": _Kernel("avx512", _src.NORM_SOURCE + _src.AVX512_SOURCE + _avx2_src.AVX2_HELPERS + _src.avx512_layer_linear(False)
+    "avx512": _Kernel("avx512", _src.NORM_SOURCE + _src.AVX512_SOURCE + _src.Q7_SOURCE + _avx2_src.AVX2_HELPERS + _src.avx512_layer_linear(False)
                       + _layer_src.LAYER_SOURCE + _src.AVX512_BINDINGS + _layer_src.LAYER_BINDINGS + "}\n",
                       {"avx512f", "avx512bw", "avx512_bf16", "avx2", "fma"},
                       ["-mavx512f", "-mavx512bw", "-mavx512bf16", "-mavx2", "-mfma"], (1, 8)),
-    "amx": _Kernel("amx", _src.NORM_SOURCE + _src.AVX512_SOURCE + _src.AMX_SOURCE + _avx2_src.AVX2_HELPERS
+    "amx": _Kernel("amx", _src.NORM_SOURCE + _src.AVX512_SOURCE + _src.Q7_SOURCE + _src.AMX_SOURCE + _avx2_src.AVX2_HELPERS
                    + _src.avx512_layer_linear(True) + _layer_src.LAYER_SOURCE + _src.AVX512_BINDINGS + _src.AMX_BINDINGS
                    + _layer_src.LAYER_BINDINGS + "}\n",
                    {"avx512f", "avx512bw", "avx512_bf16", "amx_tile", "amx_bf16", "avx2", "fma"},
@@ -337,6 +342,37 @@ class _Forward:
         return F.linear(x, mod.weight, mod.bias)
 
 
+
+def q7_weights(w: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Per-row 7-bit codes of a weight [O, K]: (u uint8 [O, K] in [1, 127], fp32 scales [O], and the
+    dequantized bf16 weight ``(u - 64) * s``). q = u - 64 = round(w / s) with s = max |w_row| / 63."""
+    wf = w.detach().float()
+    scale = wf.abs().amax(1).clamp_min(torch.finfo(torch.float32).tiny) / 63.0
+    q = torch.round(wf / scale[:, None]).clamp_(-63, 63)
+    return (q + 64).to(torch.uint8).contiguous(), scale.contiguous(), (q * scale[:, None]).to(w.dtype)
+
+
+class _Q7Forward(_Forward):
+    """`_Forward` over 7-bit codes of the weight (`q7_weights`): the 7-bit kernel for inputs of up to
+    `Q7_MAX_ROWS` rows, the dequantized bf16 weight (now the module's own) through `_Forward` beyond,
+    so every path computes the same function up to bf16 rounding. Half the bytes per decode step: a
+    drafter's small steps are bound by reading its weights (`bench/draft_step.py`)."""
+
+    def __init__(self, module: nn.Linear, backend: str):
+        super().__init__(module, backend)
+        with torch.no_grad():
+            self.u, self.s, deq = q7_weights(module.weight)
+            module.weight.copy_(deq)  # in place: a fused layer's stacked copy (a view's base) follows
+        self.q7 = self.kernel.load().q7_linear_bf16
+
+    def __call__(self, x: Tensor) -> Tensor:
+        rows = x.numel() // x.shape[-1] if x.numel() else 0
+        if (0 < rows <= Q7_MAX_ROWS and x.dtype == torch.bfloat16 and not torch.is_grad_enabled()
+                and x.device.type == "cpu"):
+            return self.q7(x, self.u, self.s)
+        return super().__call__(x)
+
+
 def head_argmax(module: nn.Linear, x: Tensor) -> Tensor:
     """``module(x).argmax(-1)`` for an installed, bias-free bf16 head and bf16 ``x`` [M, K] in its row range,
     without the [M, O] logits where the kernel fuses it (AVX-512: each thread keeps its best per row).
@@ -372,6 +408,50 @@ def install(model: nn.Module, backend: str = "avx2") -> int:
             mod.forward = _Norm(mod, backend, mode)
     cpu_layers.install(model, backend, KERNELS[backend].load())
     return n
+
+
+
+def quantize(model: nn.Module, exclude: nn.Module | None = None) -> int:
+    """Moves each bias-free linear of `model` that `install` routed through an AVX-512 bf16 / AMX kernel
+    to 7-bit weights (`_Q7Forward`: its weight becomes the dequantized one, for good), except those
+    that are also modules of `exclude` (a head the drafter shares with the target: the target's
+    weights are never touched). Re-attaches the fused EAGLE-3 layer so it reads the 7-bit codes too.
+    Returns how many linears moved."""
+    skip = {id(m) for m in exclude.modules()} if exclude is not None else set()
+    n, backend = 0, None
+    for mod in model.modules():
+        fwd = vars(mod).get("forward")
+        if (type(fwd) is _Forward and fwd.backend in Q7_BACKENDS and mod.bias is None and id(mod) not in skip
+                and mod.weight.dim() == 2):
+            mod.forward = _Q7Forward(mod, fwd.backend)
+            n, backend = n + 1, fwd.backend
+    if n and cpu_layers.fused(model) is not None:
+        cpu_layers.install(model, backend, KERNELS[backend].load())
+    return n
+
+
+def draft_weights_of(target: nn.Module) -> str:
+    """The precision `setup` chose for drafters loaded beside `target`: "int7" or "bf16"."""
+    return vars(target).get(_DRAFT_ATTR, ("bf16", "bf16"))[1]
+
+
+def quantizes(target: nn.Module, drafter: nn.Module) -> bool:
+    """Whether `setup`'s choice for `target` moves `drafter` (a loaded proposer's module) to 7-bit
+    weights: always under draft_weights=int7; under auto only EAGLE drafters, whose acceptance was
+    measured unchanged in 7 bits (session 33); draft LMs and Medusa heads are not measured yet."""
+    asked, resolved = vars(target).get(_DRAFT_ATTR, ("bf16", "bf16"))
+    return resolved == "int7" and (asked == "int7" or type(drafter).__name__ == "EagleDrafter")
+
+
+def _resolve_draft_weights(draft: str, backend: str) -> str:
+    if draft not in DRAFT_WEIGHTS:
+        raise ValueError(f"draft_weights must be one of {DRAFT_WEIGHTS}, got {draft!r}")
+    if draft == "int7" and backend not in Q7_BACKENDS:
+        raise ValueError(f"draft_weights=int7 needs the AVX-512 bf16 or AMX kernel (linear_backend={backend} "
+                         "resolved here); use draft_weights=bf16 or auto")
+    if draft == "auto":
+        return "int7" if backend in Q7_BACKENDS else "bf16"
+    return draft
 
 
 class _Norm:
@@ -426,15 +506,18 @@ def _norm_mode(mod: nn.Module, backend: str) -> str | None:
     return None
 
 
-def setup(model: nn.Module, backend: str = "auto") -> str:
+def setup(model: nn.Module, backend: str = "auto", draft_weights: str = "bf16") -> str:
     """Resolves `backend` for `model` and installs its kernel; returns one line saying what runs.
+    `draft_weights` ("auto", "bf16", "int7"; auto: int7 on the AVX-512 bf16 / AMX kernels) is
+    recorded for the drafters loaded beside `model` (`decode.proposers._share_linear_kernel`).
 
     Raises:
-        ValueError: as `resolve_backend`.
+        ValueError: as `resolve_backend`; int7 without an AVX-512 bf16 / AMX kernel; an unknown precision.
     """
     import time
 
     name = resolve_backend(backend, model)
+    model.__dict__[_DRAFT_ATTR] = (draft_weights, _resolve_draft_weights(draft_weights, name))
     if name == "aten":
         return f"linear_backend={backend}: PyTorch's matmul for every linear layer of the target"
     t0 = time.perf_counter()
@@ -442,9 +525,13 @@ def setup(model: nn.Module, backend: str = "auto") -> str:
     k = KERNELS[name]
     what = (f"every input (prefill in chunks of {k.max_rows} rows)" if k.chunked
             else f"decode steps of {k.min_rows}-{k.max_rows} rows")
-    return (f"linear_backend={backend}: {n} bf16 linear layers and {routed_norms(model)} RMS norms of the target run "
+    line = (f"linear_backend={backend}: {n} bf16 linear layers and {routed_norms(model)} RMS norms of the target run "
             f"through the {name.upper()} kernels for {what} (ready in "
             f"{time.perf_counter() - t0:.1f} s; linear_backend=aten: PyTorch's)")
+    if draft_weights_of(model) == "int7":
+        which = "EAGLE drafters'" if draft_weights == "auto" else "drafters'"
+        line += f"; {which} linears in 7-bit weights (draft_weights=bf16: as trained)"
+    return line
 
 
 def installed_backend(model: nn.Module) -> str:

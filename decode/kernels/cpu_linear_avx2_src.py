@@ -204,6 +204,14 @@ static inline torch::Tensor layer_linear(torch::Tensor x, torch::Tensor w, int64
     return bf16_linear_bf16(x, w, chunk);
 }
 
+// 7-bit drafter weights are an AVX-512 bf16 kernel's (cpu_linear_src.Q7_SOURCE); `cpu_linear` never
+// hands them to this one, and the fused layer's `project` never calls this with kQ7Rows = 0
+constexpr int64_t kQ7Rows = 0;
+static torch::Tensor q7_linear_bf16(torch::Tensor, torch::Tensor, torch::Tensor) {
+    TORCH_CHECK(false, "7-bit weights need the AVX-512 bf16 or AMX kernel");
+    return {};
+}
+
 // argmax over each row of fp32 y [M, O] after rounding to bf16 (what `y.to(bf16).argmax(-1)` gives:
 // nearest-even rounding, first maximum on ties), in one parallel pass without the bf16 copy. The
 // greedy LM head's epilogue: PyTorch's bf16 argmax over 262,144 logits took ~2 ms a row here.

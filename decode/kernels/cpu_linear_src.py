@@ -258,12 +258,108 @@ torch::Tensor bf16_linear_argmax(torch::Tensor x, torch::Tensor w) {
 
 """
 
+# 7-bit weights for the drafter's small decode steps (AVX-512 bf16 and AMX extensions; appended
+# after AVX512_SOURCE, whose `put` it uses). Why 7 bits in a byte, not 8: a byte u in [1, 127] becomes
+# the bf16 of 128 + u with one OR of its zero-extended 16-bit lane (0x4300 | u: exponent 2^7, u the
+# mantissa), so widening 32 weights costs 2 instructions where int8 -> fp32 -> bf16 costs 5-7 and
+# left the kernel compute-bound (session 33: 0.53 ms for the EAGLE-3 drafter's 11.8M weights with
+# hot caches, the bf16 kernel's cold time 0.80). q = u - 64 in [-63, 63] with one fp32 scale per
+# weight row; sum_k x_k q_k = sum_k x_k (128 + u_k) - 192 sum_k x_k, each product exact in fp32.
+Q7_SOURCE = r"""
+static inline __m512bh q7_widen(__m256i u) {  // 32 bytes u -> the bf16 of 128 + u, in order
+    return (__m512bh)_mm512_or_si512(_mm512_cvtepu8_epi16(u), _mm512_set1_epi16(0x4300));
+}
+
+template <int R, int MT, typename T>
+static inline void q7_tile(const uint16_t* x, const float* xsum, const uint8_t* w, const float* s, T* y,
+                           int64_t K, int64_t ys, int64_t o, const uint8_t* pf) {
+    __m512 acc[R][MT];
+    for (int r = 0; r < R; ++r)
+        for (int m = 0; m < MT; ++m) acc[r][m] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 32) {
+        const __mmask32 mask = (K - k >= 32) ? (__mmask32)0xFFFFFFFFu : (__mmask32)((1u << (K - k)) - 1u);
+        if (pf && (k & 63) == 0)  // one 64-byte line per weight row every other chunk
+            for (int r = 0; r < R; ++r) _mm_prefetch(reinterpret_cast<const char*>(pf + r * K + k), _MM_HINT_T0);
+        __m512bh wv[R];  // masked-off lanes widen to 128.0 but meet x's zeros
+        for (int r = 0; r < R; ++r)  // a 512-bit masked load (no AVX-512 VL needed), low half kept
+            wv[r] = q7_widen(_mm512_castsi512_si256(_mm512_maskz_loadu_epi8((__mmask64)mask, w + (o + r) * K + k)));
+        for (int m = 0; m < MT; ++m) {
+            __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(mask, x + m * K + k);
+            for (int r = 0; r < R; ++r) acc[r][m] = _mm512_dpbf16_ps(acc[r][m], wv[r], xv);
+        }
+    }
+    for (int r = 0; r < R; ++r)
+        for (int m = 0; m < MT; ++m)
+            put(y + m * ys + r, (_mm512_reduce_add_ps(acc[r][m]) - 192.0f * xsum[m]) * s[o + r]);
+}
+
+constexpr int64_t kQ7PrefetchRows = 16;  // rows are half as long as bf16's: the same ~10 KB ahead
+//: rows of x the 7-bit kernel serves in one call; more (a long catch-up) take the dequantized bf16 weights
+constexpr int64_t kQ7Rows = 8;
+
+template <int MT, typename T>
+static void q7_rows(const uint16_t* x, const float* xsum, const uint8_t* w, const float* s, T* y, int64_t K,
+                    int64_t O) {
+    constexpr int64_t R = tile_rows<MT>();
+    const int64_t tiles = O / R;
+    at::parallel_for(0, tiles, 16, [&](int64_t begin, int64_t end) {
+        for (int64_t p = begin; p < end; ++p) {
+            const int64_t o = R * p;
+            const bool ahead = o + kQ7PrefetchRows + R <= O;
+            q7_tile<R, MT>(x, xsum, w, s, y + o, K, O, o, ahead ? w + (o + kQ7PrefetchRows) * K : nullptr);
+        }
+    });
+    for (int64_t o = R * tiles; o < O; ++o) q7_tile<1, MT>(x, xsum, w, s, y + o, K, O, o, nullptr);
+}
+
+// bf16 x [..., K] (at most kQ7Rows rows) @ (7-bit u [O, K] as q = u - 64, times fp32 s [O])^T -> bf16 [..., O]
+torch::Tensor q7_linear_bf16(torch::Tensor x, torch::Tensor u, torch::Tensor s) {
+    TORCH_CHECK(x.dtype() == torch::kBFloat16 && x.dim() >= 1, "x: bf16 [..., K]");
+    TORCH_CHECK(u.dtype() == torch::kUInt8 && u.dim() == 2 && u.is_contiguous() && u.size(1) == x.size(-1),
+                "u: contiguous uint8 [O, K]");
+    TORCH_CHECK(s.dtype() == torch::kFloat32 && s.is_contiguous() && s.numel() == u.size(0), "s: contiguous fp32 [O]");
+    auto xc = x.contiguous();
+    const int64_t K = u.size(1), O = u.size(0), M = K ? xc.numel() / K : 0;
+    TORCH_CHECK(M <= kQ7Rows, "the 7-bit kernel takes at most ", kQ7Rows, " rows, got ", M);
+    auto shape = x.sizes().vec();
+    shape.back() = O;
+    auto y = torch::empty(shape, x.options());
+    const uint16_t* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
+    float xsum[kQ7Rows];
+    for (int64_t m = 0; m < M; ++m) {  // the 192 sum_k x_k each weight's offset adds
+        __m512 acc = _mm512_setzero_ps();
+        for (int64_t k = 0; k < K; k += 16) {
+            const __mmask16 mask = (K - k >= 16) ? (__mmask16)0xFFFF : (__mmask16)((1u << (K - k)) - 1u);
+            const __m256i h = _mm512_castsi512_si256(_mm512_maskz_loadu_epi16((__mmask32)mask, xp + m * K + k));
+            acc = _mm512_add_ps(acc, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
+        }
+        xsum[m] = _mm512_reduce_add_ps(acc);
+    }
+    const uint8_t* up = u.data_ptr<uint8_t>();
+    const float* sp = s.data_ptr<float>();
+    uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
+    switch (M) {
+        case 0: break;
+        case 1: q7_rows<1>(xp, xsum, up, sp, yp, K, O); break;
+        case 2: q7_rows<2>(xp, xsum, up, sp, yp, K, O); break;
+        case 3: q7_rows<3>(xp, xsum, up, sp, yp, K, O); break;
+        case 4: q7_rows<4>(xp, xsum, up, sp, yp, K, O); break;
+        case 5: q7_rows<5>(xp, xsum, up, sp, yp, K, O); break;
+        case 6: q7_rows<6>(xp, xsum, up, sp, yp, K, O); break;
+        case 7: q7_rows<7>(xp, xsum, up, sp, yp, K, O); break;
+        default: q7_rows<8>(xp, xsum, up, sp, yp, K, O); break;
+    }
+    return y;
+}
+"""
+
 AVX512_BINDINGS = r"""
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("rms_norm", &rms_norm, "RMS norm of bf16 rows [M, D] with an fp32 scale [D] -> bf16 [M, D]");
     m.def("bf16_linear_bf16x", &bf16_linear_bf16x, "x bf16 [M, K] @ w bf16 [O, K]^T -> fp32 [M, O]");
     m.def("bf16_linear_bf16", &bf16_linear_bf16, "x bf16 [..., K] @ w bf16 [O, K]^T -> bf16 [..., O]");
     m.def("bf16_linear_argmax", &bf16_linear_argmax, "argmax_o bf16(x bf16 [M, K] @ w bf16 [O, K]^T) -> int64 [M]");
+    m.def("q7_linear_bf16", &q7_linear_bf16, "x bf16 [..., K] (<= 8 rows) @ ((u uint8 [O, K] - 64) * s fp32 [O])^T -> bf16 [..., O]");
 """
 
 
