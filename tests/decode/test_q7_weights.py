@@ -93,8 +93,10 @@ def test_a_quantised_drafter_moves_every_own_linear_and_never_the_targets(tmp_pa
     try:
         proposer = load_proposer(str(folder), target)
         drafter = proposer.drafter
-        linears = [m for m in drafter.modules() if isinstance(m, torch.nn.Linear)]
-        assert linears and all(hasattr(vars(m)["forward"], "u") for m in linears)
+        linears = [m for m in drafter.modules() if isinstance(m, torch.nn.Linear) and m is not drafter.fc]
+        assert len(linears) == 8 and all(hasattr(vars(m)["forward"], "u") for m in linears)  # 7 + the head
+        # the fc over the target's features stays bf16 (7 bits there cost tau), routed as before
+        assert cpu_linear.is_installed(drafter.fc) and not hasattr(vars(drafter.fc)["forward"], "u")
         assert not any(hasattr(vars(m).get("forward"), "u") for m in target.modules())
         layer = cpu_layers.fused(drafter)
         assert isinstance(layer, cpu_layers.FusedEagle3) and len(layer.q) == 8
