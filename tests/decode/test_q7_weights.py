@@ -168,3 +168,22 @@ def test_auto_moves_eagle_drafters_only_and_int7_moves_every_drafter():
     assert cpu_linear.quantizes(target, eagle) and cpu_linear.quantizes(target, draft_lm)
     target.__dict__[cpu_linear._DRAFT_ATTR] = ("auto", "bf16")  # avx2 / PyTorch's matmul
     assert not cpu_linear.quantizes(target, eagle)
+
+
+@needs_q7
+@pytest.mark.parametrize("backend", Q7)
+def test_quantize_never_touches_a_module_the_drafter_shares_with_the_target(backend):
+    # a drafter may hold the target's own head as a submodule (shared, not copied): quantising it
+    # would change the target's weights and so what decoding emits
+    target = tiny_target("llama", dtype=torch.bfloat16, vocab_size=257)
+    own = torch.nn.Linear(target.config.hidden_size, 64, bias=False).bfloat16()
+    drafter = torch.nn.ModuleDict({"own": own, "head": target.lm_head})
+    head_before = target.lm_head.weight.clone()
+    cpu_linear.install(target, backend)
+    try:
+        cpu_linear.install(drafter, backend)  # the shared head is routed already: kept as it is
+        assert cpu_linear.quantize(drafter, exclude=target) == 1
+        assert hasattr(vars(own)["forward"], "u") and not hasattr(vars(target.lm_head)["forward"], "u")
+        assert torch.equal(target.lm_head.weight, head_before)
+    finally:
+        cpu_linear.uninstall(target)
