@@ -342,7 +342,6 @@ class _Forward:
         return F.linear(x, mod.weight, mod.bias)
 
 
-
 def q7_weights(w: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """Per-row 7-bit codes of a weight [O, K]: (u uint8 [O, K] in [1, 127], fp32 scales [O], and the
     dequantized bf16 weight ``(u - 64) * s``). q = u - 64 = round(w / s) with s = max |w_row| / 63."""
@@ -408,7 +407,6 @@ def install(model: nn.Module, backend: str = "avx2") -> int:
             mod.forward = _Norm(mod, backend, mode)
     cpu_layers.install(model, backend, KERNELS[backend].load())
     return n
-
 
 
 #: linears `quantize` leaves in bf16: EAGLE's `fc`, which reads the target's features. In 7 bits it
@@ -516,8 +514,9 @@ def _norm_mode(mod: nn.Module, backend: str) -> str | None:
 
 def setup(model: nn.Module, backend: str = "auto", draft_weights: str = "bf16") -> str:
     """Resolves `backend` for `model` and installs its kernel; returns one line saying what runs.
-    `draft_weights` ("auto", "bf16", "int7"; auto: int7 on the AVX-512 bf16 / AMX kernels) is
-    recorded for the drafters loaded beside `model` (`decode.proposers._share_linear_kernel`).
+    `draft_weights` ("auto", "bf16", "int7"; auto: int7 for EAGLE drafters on the AVX-512 bf16 / AMX
+    kernels, `quantizes`) is recorded for the drafters loaded beside `model`
+    (`decode.proposers._share_linear_kernel`).
 
     Raises:
         ValueError: as `resolve_backend`; int7 without an AVX-512 bf16 / AMX kernel; an unknown precision.

@@ -112,8 +112,8 @@ def _share_linear_kernel(proposer: Proposer, target: nn.Module) -> Proposer:
     drafter in training) are left as they are.
 
     Where `cpu_linear.setup` chose 7-bit drafter weights (`draft_weights`; auto: EAGLE drafters only),
-    the drafter's own linears move to them (`cpu_linear.quantize`; never a module of the target): half the bytes a draft
-    step reads. Session 33 (this Xeon): `eagle_long`'s drafter accepts as many tokens in 7 bits
+    the drafter's own linears move to them (`cpu_linear.quantize`; never a module of the target):
+    half the bytes a draft step reads. Session 33 (this Xeon): `eagle_long`'s drafter accepts as many tokens in 7 bits
     (tau 3.00 vs 3.01 at T = 0, 1.88 vs 1.90 at T = 1, fake-quantised weights, MT-bench 8 x 256)."""
     from drafttrain.decode.kernels.cpu_linear import install, installed_backend, quantize, quantizes
 
