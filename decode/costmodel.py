@@ -5,7 +5,10 @@ answers two questions for adaptive speculation (proposers/scheduler.py) and the 
 
     verify_time(batch, tokens)   ms of one target forward over `tokens` new tokens per row, for
                                  `batch` rows, at the measured context length
-    draft_time(name, batch)      ms of one draft step (one token per row) of proposer `name`
+    draft_time(name, batch)      ms of one more draft step (one token per row) of proposer `name`
+    draft_call_time(name, batch) ms a propose + observe call costs whatever its length (the
+                                 drafter's catch-up over the accepted tokens, sampling set-up):
+                                 a chain of L > 0 drafts costs draft_call_time + L x draft_time
 
 Both are measured twice: greedy (the fused LM-head argmax, greedy drafts) and sampled (full
 logits + the rejection-sampling verification at T = 1, sampled drafts with their probabilities);
@@ -27,10 +30,13 @@ would); beyond the grid, linear with the last segment's slope (made non-decreasi
 axis), so `verify_time` is monotone in batch and in tokens everywhere; below the grid, the first
 value.
 
-How a draft step is timed: the proposer runs `speculative_generate` on random prompts of
-`context` tokens with a fixed chain length (gamma 4); the time of each propose + observe call,
-the first call excluded (it catches up on the whole prompt), divided by gamma, median over the
-calls. It includes the drafter's catch-up on the accepted tokens, as in real decoding.
+How drafting is timed: the proposer runs `speculative_generate` on random prompts of `context`
+tokens with fixed chain lengths 1 and 4; the median time of a propose + observe call at each
+(the first call excluded: it catches up on the whole prompt) gives a line, t(L) = call + L x step.
+The call part holds the drafter's catch-up on the accepted tokens, as in real decoding. Until
+session 34 a call at gamma 4 was divided by 4: that spread the call part over the drafts and
+priced a third draft at 1.05 ms where it costs 0.86 (EAGLE at T=1, batch 1), so plans stopped
+at 2 drafts where 3 decoded faster.
 
 Deliberately not here: choosing lengths (planning.py), plotting and the CLI (drafttrain/profiling.py),
 memory or power models.
@@ -121,16 +127,19 @@ class CostModel:
     Attributes:
         verify_ms: {(batch, tokens_per_row): ms} of one target forward over `tokens_per_row` new
             tokens per row at context `meta["context"]`; a full grid (every batch x every tokens).
-        draft_ms: {proposer key: {batch: ms per draft step}}.
+        draft_ms: {proposer key: {batch: ms per draft step}} (the marginal step: see draft_fixed_ms).
         meta: target identity, device, dtype, torch threads and version, context length, date.
         sampled: the same grid and proposers timed at temperature > 0 (its own verify_ms /
             draft_ms; meta is this one's), or None (older files, or measured greedy only).
+        draft_fixed_ms: {proposer key: {batch: ms}} each propose + observe call costs whatever
+            its length; missing (files before session 34, free proposers): 0.
     """
 
     verify_ms: dict[tuple[int, int], float]
     draft_ms: dict[str, dict[int, float]] = field(default_factory=dict)
     meta: dict = field(default_factory=dict)
     sampled: CostModel | None = None
+    draft_fixed_ms: dict[str, dict[int, float]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.verify_ms:
@@ -182,6 +191,35 @@ class CostModel:
             KeyError: `name` was not measured and is not a free proposer (FREE_PROPOSERS).
         """
         costs = self.draft_ms.get(name)
+        hit = self._memo.get((name, batch))  # (the costs it was read from, ms): a per-step query
+        if hit is not None and hit[0] is costs:
+            return hit[1]
+        ms = self._draft(name, batch, costs)
+        self._memo[name, batch] = (costs, ms)
+        return ms
+
+    def draft_call_time(self, name: str, batch: int) -> float:
+        """ms each propose + observe call of proposer `name` costs whatever its length (0 when
+        not measured: free proposers, files before session 34)."""
+        costs = self.draft_fixed_ms.get(name)
+        if costs is None:
+            return 0.0
+        hit = self._memo.get(("call", name, batch))
+        if hit is not None and hit[0] is costs:
+            return hit[1]
+        xs = sorted(costs)
+        ys = _monotone([float(costs[x]) for x in xs])
+        ms = max(0.0, _interp(xs, ys, float(batch), _end_slope(xs, ys)))
+        self._memo["call", name, batch] = (costs, ms)
+        return ms
+
+    def chain_time(self, name: str, batch: int, length: int) -> float:
+        """ms of drafting a chain of `length` tokens per row (0 for no draft)."""
+        if length <= 0:
+            return 0.0
+        return self.draft_call_time(name, batch) + length * self.draft_time(name, batch)
+
+    def _draft(self, name: str, batch: int, costs: dict[int, float] | None) -> float:
         if costs is None:
             if name.split(":")[0] in FREE_PROPOSERS:
                 return 0.0
@@ -218,6 +256,11 @@ class CostModel:
             for name, c in sorted(self.draft_ms.items()):
                 cells = "".join(f"{c[b]:>{width}.3f}" if b in c else f"{'-':>{width}}" for b in batches)
                 lines.append(f"{name:>33}" + cells)
+            if self.draft_fixed_ms:
+                lines += ["", "draft ms / call  proposer \\ batch" + "".join(f"{b:>{width}}" for b in batches)]
+                for name, c in sorted(self.draft_fixed_ms.items()):
+                    cells = "".join(f"{c[b]:>{width}.3f}" if b in c else f"{'-':>{width}}" for b in batches)
+                    lines.append(f"{name:>33}" + cells)
         if self.sampled is not None:
             lines += ["", "sampled (temperature > 0):", self.sampled.table()]
         return "\n".join(lines)
@@ -228,19 +271,22 @@ class CostModel:
         for (b, t), ms in sorted(self.verify_ms.items()):
             verify.setdefault(str(b), {})[str(t)] = ms
         draft = {n: {str(b): ms for b, ms in sorted(c.items())} for n, c in sorted(self.draft_ms.items())}
-        out = {"version": _VERSION, "meta": self.meta, "verify_ms": verify, "draft_ms": draft}
+        fixed = {n: {str(b): ms for b, ms in sorted(c.items())} for n, c in sorted(self.draft_fixed_ms.items())}
+        out = {"version": _VERSION, "meta": self.meta, "verify_ms": verify, "draft_ms": draft,
+               "draft_fixed_ms": fixed}
         if self.sampled is not None:
             sampled = self.sampled.to_json()
-            out["sampled"] = {"verify_ms": sampled["verify_ms"], "draft_ms": sampled["draft_ms"]}
+            out["sampled"] = {k: sampled[k] for k in ("verify_ms", "draft_ms", "draft_fixed_ms")}
         return out
 
     @classmethod
     def from_json(cls, data: dict) -> CostModel:
         verify = {(int(b), int(t)): float(ms) for b, row in data["verify_ms"].items() for t, ms in row.items()}
         draft = {n: {int(b): float(ms) for b, ms in c.items()} for n, c in data.get("draft_ms", {}).items()}
+        fixed = {n: {int(b): float(ms) for b, ms in c.items()} for n, c in data.get("draft_fixed_ms", {}).items()}
         meta = dict(data.get("meta", {}))
         sampled = cls.from_json({**data["sampled"], "meta": meta}) if data.get("sampled") else None
-        return cls(verify, draft, meta, sampled)
+        return cls(verify, draft, meta, sampled, fixed)
 
     def save(self, path: str | Path) -> Path:
         path = Path(path).expanduser()
@@ -406,9 +452,21 @@ class _Timed(Proposer):
         self.times.append(self._ms + (time.perf_counter() - t0) * 1e3)
 
 
-def _time_draft(target: nn.Module, proposer, batch: int, context: int, repeats: int, gamma: int = 4,
-                temperature: float = 0.0) -> float:
-    """Median ms per draft step of `proposer` (see the module docstring), at `temperature`."""
+def _time_draft(target: nn.Module, proposer, batch: int, context: int, repeats: int,
+                temperature: float = 0.0) -> tuple[float, float]:
+    """(ms per call, ms per draft step) of `proposer` (see the module docstring), at `temperature`:
+    the line through the median call at chain lengths 1 and 4. When noise puts the call at 4
+    below the call at 1, the call part is 0 and a step a quarter of the call at 4."""
+    t1, t4 = (_time_calls(target, proposer, batch, context, repeats, gamma, temperature) for gamma in (1, 4))
+    if t4 <= t1:
+        return 0.0, t4 / 4
+    step = (t4 - t1) / 3
+    return max(0.0, t1 - step), step
+
+
+def _time_calls(target: nn.Module, proposer, batch: int, context: int, repeats: int, gamma: int,
+                temperature: float) -> float:
+    """Median ms of a propose + observe call of `proposer` drafting chains of `gamma`."""
     from drafttrain.decode.engine import speculative_generate
 
     device = next(target.parameters()).device
@@ -419,11 +477,11 @@ def _time_draft(target: nn.Module, proposer, batch: int, context: int, repeats: 
     speculative_generate(target, timed, ids, max_new_tokens=steps * (gamma + 1), gamma=gamma, eos_token_id=[],
                          temperature=temperature, seed=0 if temperature > 0 else None)
     later = timed.times[1:] or timed.times  # the first call reads the whole prompt
-    return statistics.median(later) / gamma
+    return statistics.median(later)
 
 
 def measure_cost_model(target: nn.Module, proposers: dict | None = None, *, batch_sizes=(1, 2, 4, 8, 16),
-                       tokens=(1, 2, 3, 4, 5, 6, 8, 12, 16), context: int = 256, repeats: int = 3,
+                       tokens=(1, 2, 3, 4, 5, 6, 8, 12, 16), context: int = 256, repeats: int = 9,
                        progress: bool = True, verify: bool = True, sampled: bool = True,
                        warmup_s: float = 2.0) -> CostModel:
     """Times the target's verification forward on a grid and each proposer's draft step.
@@ -435,6 +493,11 @@ def measure_cost_model(target: nn.Module, proposers: dict | None = None, *, batc
         context: committed tokens per row in the KV cache before each timed forward.
         repeats: timed calls per point (median), after one warm-up call; a batch size's points are
             called round-robin (every token count once per round), not one point's calls in a row.
+            Plans weigh one more draft by the step between neighbouring token counts (~0.5 ms
+            of ~18 at batch 1), so that step must be right, not only each point: with 3 calls
+            the 3 -> 4 token step read 0.05 / 0.84 / 0.43 ms in three grids minutes apart, with 9
+            0.64 / 0.33 / 0.60 (session 34, T=1). The cached 1.55 ms step stopped T=1 plans at
+            2 drafts where 3 decoded 7% faster.
         progress: show a progress bar with ETA.
         verify: False times the proposers only (the returned model's verify_ms is then a
             placeholder {(1, 1): 0.0}: read its draft_ms, and its sampled one's).
@@ -460,6 +523,7 @@ def measure_cost_model(target: nn.Module, proposers: dict | None = None, *, batc
     if context < 1 or repeats < 1:
         raise ValueError("context and repeats must be >= 1")
     temps = (0.0, 1.0) if sampled else (0.0,)
+    draft_repeats = max(repeats, 8)  # a line through two medians: fewer calls leave its slope noisy
     points = (len(batch_sizes) * len(tokens) if verify else 0) + len(proposers) * len(batch_sizes)
     total = len(temps) * points * (repeats + 1)  # calls: each point is called repeats + 1 times
     bar = tqdm(total=total, desc="profile", unit="call", disable=not progress, dynamic_ncols=True)
@@ -470,6 +534,7 @@ def measure_cost_model(target: nn.Module, proposers: dict | None = None, *, batc
         for temp in temps:
             verify_ms: dict[tuple[int, int], float] = {}
             draft_ms: dict[str, dict[int, float]] = {}
+            fixed_ms: dict[str, dict[int, float]] = {}
             how = "sampled" if temp else "greedy"
             if verify:
                 for b in batch_sizes:
@@ -478,15 +543,15 @@ def measure_cost_model(target: nn.Module, proposers: dict | None = None, *, batc
             for name, proposer in proposers.items():
                 for b in batch_sizes:
                     bar.set_postfix_str(f"{how} draft {name} batch {b}")
-                    draft_ms.setdefault(name, {})[b] = _time_draft(target, proposer, b, context, repeats,
-                                                                   temperature=temp)
+                    call, step = _time_draft(target, proposer, b, context, draft_repeats, temperature=temp)
+                    draft_ms.setdefault(name, {})[b], fixed_ms.setdefault(name, {})[b] = step, call
                     bar.update(repeats + 1)
-            measured.append((verify_ms or {(1, 1): 0.0}, draft_ms))
+            measured.append((verify_ms or {(1, 1): 0.0}, draft_ms, fixed_ms))
     bar.close()
     meta = _identity(target)
     meta.update(context=context, repeats=repeats, head="argmax",
                 date=datetime.now(timezone.utc).isoformat(timespec="seconds"))
-    greedy, *hot = (CostModel(v, d, meta) for v, d in measured)
+    greedy, *hot = (CostModel(v, d, meta, None, f) for v, d, f in measured)
     greedy.sampled = hot[0] if hot else None
     return greedy
 
@@ -529,9 +594,9 @@ def load_or_measure(target: nn.Module, proposers: dict | None = None, *,
     if stale:
         fresh = measure_cost_model(target, proposers, progress=progress, **kw)
         if cm is not None and not refresh and (cm.sampled is not None or not want_s):  # keep drafters measured earlier
-            fresh.draft_ms = {**cm.draft_ms, **fresh.draft_ms}
+            _merge_drafts(fresh, cm)
             if want_s:
-                fresh.sampled.draft_ms = {**cm.sampled.draft_ms, **fresh.sampled.draft_ms}
+                _merge_drafts(fresh.sampled, cm.sampled)
         cm = fresh
     else:
         missing = {k: p for k, p in proposers.items()
@@ -541,13 +606,20 @@ def load_or_measure(target: nn.Module, proposers: dict | None = None, *,
             kw2["batch_sizes"] = cm.batch_sizes
             kw2["context"] = cm.meta.get("context", 256)
             added = measure_cost_model(target, missing, progress=progress, verify=False, **kw2)
-            sampled = cm.sampled
             if added.sampled is not None:
-                sampled = CostModel(cm.sampled.verify_ms, {**cm.sampled.draft_ms, **added.sampled.draft_ms}, cm.meta)
-            cm = CostModel(cm.verify_ms, {**cm.draft_ms, **added.draft_ms}, cm.meta, sampled)
+                _merge_drafts(cm.sampled, added.sampled, newer=True)
+            _merge_drafts(cm, added, newer=True)
         else:
             cm.meta["path"] = str(path)
             return cm
     cm.meta["path"] = str(path)
     cm.save(path)
     return cm
+
+
+def _merge_drafts(into: CostModel, other: CostModel, newer: bool = False) -> None:
+    """Adds `other`'s drafting costs to `into`'s (`newer`: other's win where both have a
+    proposer; else into's, which were just measured)."""
+    for attr in ("draft_ms", "draft_fixed_ms"):
+        mine, theirs = getattr(into, attr), getattr(other, attr)
+        setattr(into, attr, {**mine, **theirs} if newer else {**theirs, **mine})

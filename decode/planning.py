@@ -7,7 +7,8 @@
     stopping_lengths   the stopping rule for sampled chains (keep draft k iff pi_j >= tau_j, j <= k)
     trim_tree          which drafted nodes to verify (sampled chains: the stopping rule;
                        deterministic drafts: the node budget that pays best)
-    drafting_ms        modelled ms of drafting a chain or a tree; `tree_nodes` / `tree_top_k`
+    drafting_ms        modelled ms of drafting a chain or a tree (`chain_ms`: a call's own part
+                       plus its steps); `tree_nodes` / `tree_top_k`
 
 Costs are read from a CostModel (or anything with `verify_time(batch, tokens)` and
 `draft_time(name, batch)` in ms); estimates come from the calibrator (calibrator.py). Why the
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -31,7 +33,7 @@ if TYPE_CHECKING:
     from drafttrain.decode.tree import DraftTree
 
 __all__ = ["expected_tokens", "length_rates", "best_length", "choose_length", "path_products",
-           "stopping_lengths", "trim_tree", "drafting_ms", "tree_nodes", "tree_top_k"]
+           "stopping_lengths", "trim_tree", "drafting_ms", "chain_ms", "tree_nodes", "tree_top_k"]
 
 
 def expected_tokens(p_node: Tensor) -> Tensor:
@@ -43,10 +45,10 @@ def expected_tokens(p_node: Tensor) -> Tensor:
     Returns:
         [B, L + 1]: E_L = 1 + sum_{k <= L} prod_{j <= k} p_j (E_0 = 1).
     """
-    reach = torch.cumprod(p_node.double(), dim=1)  # [B, L] P(first k all accepted)
-    ones = torch.ones(p_node.shape[0], 1, dtype=torch.float64, device=p_node.device)
+    reach = np.cumprod(_host(p_node).astype(np.float64), axis=1)  # [B, L] P(first k all accepted)
+    out = np.concatenate([np.ones((reach.shape[0], 1)), 1 + reach.cumsum(1)], 1)
     dtype = p_node.dtype if p_node.is_floating_point() else torch.float32
-    return torch.cat([ones, 1 + reach.cumsum(1)], 1).to(dtype)
+    return torch.from_numpy(out).to(device=p_node.device, dtype=dtype)
 
 
 def length_rates(exp_tokens: Tensor, batch: int, cost_model: CostModel, draft_name: str | None,
@@ -63,8 +65,9 @@ def length_rates(exp_tokens: Tensor, batch: int, cost_model: CostModel, draft_na
     """
     L = exp_tokens.shape[1] - 1
     tokens = exp_tokens[active.to(exp_tokens.device)].sum(0).tolist()  # [L + 1] summed over active rows
-    d = cost_model.draft_time(draft_name, draft_batch or batch) if draft_name is not None and L else 0.0
-    return [tokens[m] / (cost_model.verify_time(batch, 1 + m) + m * d) for m in range(L + 1)]
+    rows = draft_batch or batch
+    return [tokens[m] / (cost_model.verify_time(batch, 1 + m) + chain_ms(cost_model, draft_name, rows, m))
+            for m in range(L + 1)]
 
 
 def best_length(rates: list[float]) -> int:
@@ -78,8 +81,8 @@ def choose_length(exp_tokens: Tensor, batch: int, cost_model: CostModel, draft_n
 
     Honest about the engine: verification pads every row to the longest tree, so one forward of
     `batch` rows x (1 + max L_b) tokens costs `verify_time(batch, 1 + max L_b)`; drafting runs the
-    rows in lockstep, so it costs `max L_b * draft_time(draft_name, batch)`. Hence every active row
-    gets the same length m*, the argmax over m of sum_b E_b(m) / (verify(1 + m) + m * draft);
+    rows in lockstep, so it costs `chain_ms(max L_b)` (a per-call part + max L_b draft steps). Hence
+    every active row gets the same length m*, the argmax over m of sum_b E_b(m) / (verify(1 + m) + chain_ms(m));
     ties go to the shorter length, and m* = 0 when no length pays for itself.
 
     Args:
@@ -100,11 +103,17 @@ def choose_length(exp_tokens: Tensor, batch: int, cost_model: CostModel, draft_n
 
 def path_products(p_node: Tensor, parents: Tensor) -> Tensor:
     """[B, N] cumulative estimate of each node along its path from the root (padding 0)."""
-    pi = torch.zeros_like(p_node)
+    return torch.from_numpy(_path_products(_host(p_node), _host(parents))).to(p_node.device)
+
+
+def _path_products(p: np.ndarray, par: np.ndarray) -> np.ndarray:
+    """`path_products` on host arrays: one column at a time (a parent precedes its children)."""
+    pi = np.zeros_like(p)
     pi[:, 0] = 1.0
-    for i in range(1, p_node.shape[1]):
-        par = parents[:, i]
-        pi[:, i] = torch.where(par >= 0, pi.gather(1, par.clamp(min=0)[:, None])[:, 0] * p_node[:, i], 0.0)
+    rows = np.arange(p.shape[0])
+    for i in range(1, p.shape[1]):
+        col = par[:, i]
+        pi[:, i] = np.where(col >= 0, pi[rows, np.maximum(col, 0)] * p[:, i], 0.0)
     return pi
 
 
@@ -119,11 +128,16 @@ def stopping_lengths(pi: Tensor, tau: Tensor, lengths: Tensor) -> Tensor:
     Returns:
         [B] long kept lengths; `kept >= k` depends only on pi[:, :k + 1] (a stopping time).
     """
-    N = pi.shape[1]
-    k = torch.arange(N, device=pi.device)
-    ok = (pi >= tau.to(pi.device)[None]) & (k[None] <= lengths[:, None])
+    kept = _stopping(_host(pi), _host(tau).astype(np.float32), _host(lengths))
+    return torch.from_numpy(kept).to(pi.device)
+
+
+def _stopping(pi: np.ndarray, tau: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """`stopping_lengths` on host arrays."""
+    k = np.arange(pi.shape[1])
+    ok = (pi >= tau[None]) & (k[None] <= lengths[:, None])
     ok[:, 0] = True
-    return ok.long().cumprod(1).sum(1) - 1
+    return ok.astype(np.int64).cumprod(1).sum(1) - 1
 
 
 def trim_tree(tree: DraftTree, p_node: Tensor, *, batch: int, active: Tensor, cost_model: CostModel,
@@ -147,46 +161,53 @@ def trim_tree(tree: DraftTree, p_node: Tensor, *, batch: int, active: Tensor, co
         rate: planned expected tokens per ms (from the plan; fixed before drafting).
         free_extension: see above (sampled chains only).
     """
-    N = tree.tokens.shape[1]
-    real = tree.parents != -2
-    real &= active[:, None] | (torch.arange(N, device=real.device) == 0)[None]
-    pi = torch.where(real, path_products(p_node, tree.parents), 0.0)
-    n_active = max(int(active.sum()), 1)
+    par, act = _host(tree.parents), _host(active).astype(bool)
+    N = par.shape[1]
+    real = (par != -2) & (act[:, None] | (np.arange(N) == 0)[None])
+    pi = np.where(real, _path_products(_host(p_node), par), np.float32(0))
+    n_active = max(int(act.sum()), 1)
     if tree.draft_probs is not None:
-        return _trim_sampled(pi, real, active, batch, n_active, cost_model, rate, free_extension)
-    return _trim_deterministic(pi, real, active, batch, n_active, cost_model, sunk_ms)
+        keep = _trim_sampled(pi, real, act, batch, n_active, cost_model, rate, free_extension)
+    else:
+        keep = _trim_deterministic(pi, real, act, batch, n_active, cost_model, sunk_ms)
+    return torch.from_numpy(keep).to(tree.parents.device)
 
 
-def _trim_sampled(pi: Tensor, real: Tensor, active: Tensor, batch: int, n_active: int, cost_model: CostModel,
-                  rate: float, free_extension: bool) -> Tensor:
+def _trim_sampled(pi: np.ndarray, real: np.ndarray, active: np.ndarray, batch: int, n_active: int,
+                  cost_model: CostModel, rate: float, free_extension: bool) -> np.ndarray:
     """Keep mask [B, N] of sampled chains: the stopping rule, then the free extension."""
     B, N = pi.shape
     verify = cost_model.verify_time
     extra = [rate * (verify(batch, 1 + k) - verify(batch, k)) / n_active for k in range(1, N)]
-    tau = torch.tensor([0.0] + extra)
-    has = (real[:, 1:].long().sum(1)).clamp(max=N - 1)  # chain drafts per row
-    kept = torch.where(active, stopping_lengths(pi, tau, has), 0)
+    tau = np.array([0.0] + extra, dtype=np.float32)
+    has = np.minimum(real[:, 1:].sum(1), N - 1)  # chain drafts per row
+    kept = np.where(active, _stopping(pi, tau, has), 0)
     if free_extension and B > 1:
-        top2 = kept.topk(min(2, B)).values  # [2]
-        others = torch.where(kept == top2[0], top2[-1], top2[0])  # longest kept among the other rows
-        kept = torch.maximum(kept, torch.minimum(others, has))
-        kept = torch.where(active, kept, 0)
-    return (torch.arange(N, device=pi.device)[None] <= kept[:, None]) & real
+        top = np.sort(kept)[::-1]
+        others = np.where(kept == top[0], top[1], top[0])  # longest kept among the other rows
+        kept = np.where(active, np.maximum(kept, np.minimum(others, has)), 0)
+    return (np.arange(N)[None] <= kept[:, None]) & real
 
 
-def _trim_deterministic(pi: Tensor, real: Tensor, active: Tensor, batch: int, n_active: int,
-                        cost_model: CostModel, sunk_ms: float) -> Tensor:
+def _trim_deterministic(pi: np.ndarray, real: np.ndarray, active: np.ndarray, batch: int, n_active: int,
+                        cost_model: CostModel, sunk_ms: float) -> np.ndarray:
     """Keep mask [B, N] of deterministic drafts: each row's n* best nodes, one n* for the batch."""
     B, N = pi.shape
-    drafts = torch.where(real[:, 1:], pi[:, 1:], -1.0)  # [B, N - 1]; padding sorts last
-    order = drafts.sort(dim=1, descending=True, stable=True)
-    gain = order.values.clamp(min=0).double().cumsum(1)[active].sum(0).tolist()  # [N - 1]
+    drafts = np.where(real[:, 1:], pi[:, 1:], np.float32(-1))  # [B, N - 1]; padding sorts last
+    order = np.argsort(-drafts, axis=1, kind="stable")  # descending, ties in node order
+    values = np.take_along_axis(drafts, order, 1)
+    gain = np.maximum(values, 0).astype(np.float64).cumsum(1)[active].sum(0).tolist()  # [N - 1]
     tokens = [float(n_active)] + [n_active + g for g in gain]
     best = max(range(N), key=lambda n: (tokens[n] / (sunk_ms + cost_model.verify_time(batch, 1 + n)), -n))
-    rank = torch.empty_like(order.indices)
-    rank.scatter_(1, order.indices, torch.arange(N - 1, device=rank.device).expand(B, -1))
-    keep = torch.cat([torch.ones(B, 1, dtype=torch.bool, device=pi.device), (rank < best) & real[:, 1:]], 1)
-    return keep
+    rank = np.empty_like(order)
+    np.put_along_axis(rank, order, np.broadcast_to(np.arange(N - 1), order.shape), 1)
+    return np.concatenate([np.ones((B, 1), dtype=bool), (rank < best) & real[:, 1:]], 1)
+
+
+def _host(x: Tensor | np.ndarray) -> np.ndarray:
+    """A host numpy view of a tensor: the planning math runs on [B, N] arrays with N ~ 4-60, where
+    torch's per-op dispatch (~5 us) costs more than the arithmetic (session 34)."""
+    return x.detach().cpu().numpy() if isinstance(x, Tensor) else np.asarray(x)
 
 
 # ---- drafting costs ---------------------------------------------------------------------------------
@@ -204,5 +225,15 @@ def drafting_ms(cost_model: CostModel, name: str, batch: int, spec: StaticTree |
                 length: int) -> float:
     """Modelled ms to draft a chain of `length` (spec None) or the whole tree `spec`."""
     if spec is None:
-        return length * cost_model.draft_time(name, batch)
-    return spec.depth * cost_model.draft_time(name, batch * tree_top_k(spec))
+        return chain_ms(cost_model, name, batch, length)
+    return chain_ms(cost_model, name, batch * tree_top_k(spec), spec.depth)
+
+
+def chain_ms(cost_model: CostModel, name: str | None, batch: int, length: int) -> float:
+    """Modelled ms of `length` draft steps of `batch` rows in one propose call: the call's own
+    part (`CostModel.draft_call_time`: catch-up, set-up) plus `length` steps; 0 for no draft or
+    no drafter. A cost model without a per-call part (a test's stand-in) charges steps only."""
+    if length <= 0 or name is None:
+        return 0.0
+    call = getattr(cost_model, "draft_call_time", None)
+    return (call(name, batch) if call is not None else 0.0) + length * cost_model.draft_time(name, batch)

@@ -11,8 +11,9 @@ equals the final output after the root.
     tokens/s, oracle    the best any per-step chooser of parts and length could reach over these
                         steps under the cost model. Per batched step it picks the parts S to run
                         and a length cap L; row b emits 1 + max_{p in S} min(a_bp, L) and the step
-                        costs verify_time(B, 1 + longest draft) + sum_{p in S} draft_time(p, B) x
-                        (longest draft of p). sum tokens / sum ms is maximised exactly
+                        costs verify_time(B, 1 + longest draft) + sum_{p in S} of p's chain cost
+                        at its longest draft (`planning.chain_ms`: its call's own part + draft_time
+                        per step). sum tokens / sum ms is maximised exactly
                         (Dinkelbach: per step maximise tokens - lambda ms, lambda = ratio reached,
                         repeat until it stops rising).
     tokens/s, achieved  the steps as run, costed by the same model (the like-for-like reference);
@@ -43,6 +44,7 @@ from dataclasses import dataclass, field
 from itertools import combinations
 from typing import Protocol
 
+from drafttrain.decode.planning import chain_ms
 from drafttrain.eval.results import FixedLength, OracleBound, OracleCategory, OracleChoice, OracleRates
 
 __all__ = ["CostModelLike", "RowStep", "Step", "CallSteps", "hindsight_accepted", "visited_steps",
@@ -161,20 +163,20 @@ class _Costs:
             self._v[batch, width] = float(self.cost.verify_time(batch, width))
         return self._v[batch, width]
 
-    def draft(self, part: str, batch: int) -> float:
-        if (part, batch) not in self._d:  # "name#i": the i-th of two parts with one cost key
-            self._d[part, batch] = float(self.cost.draft_time(part.split("#")[0], batch))
-        return self._d[part, batch]
+    def draft(self, part: str, batch: int, length: int) -> float:
+        if (part, batch, length) not in self._d:  # "name#i": the i-th of two parts with one cost key
+            self._d[part, batch, length] = float(chain_ms(self.cost, part.split("#")[0], batch, length))
+        return self._d[part, batch, length]
 
 
 def _step_ms(costs: _Costs, batch: int, drafts: list[tuple[str | None, int]]) -> float:
-    """verify(B, 1 + longest draft) + per part used: draft_time x its longest draft."""
+    """verify(B, 1 + longest draft) + per part used: its call's own part + draft_time x its longest draft."""
     longest: dict[str, int] = {}
     for part, d in drafts:
         if part is not None and d > 0:
             longest[part] = max(longest.get(part, 0), d)
     width = 1 + max((d for _, d in drafts), default=0)
-    return costs.verify(batch, width) + sum(costs.draft(p, batch) * d for p, d in longest.items())
+    return costs.verify(batch, width) + sum(costs.draft(p, batch, d) for p, d in longest.items())
 
 
 def _options(step: Step, batch: int, parts: list[str], costs: _Costs) -> list[tuple[float, float, list]]:
@@ -186,7 +188,7 @@ def _options(step: Step, batch: int, parts: list[str], costs: _Costs) -> list[tu
     subsets = [s for k in range(1, len(here) + 1) for s in combinations(here, k)] if len(here) <= 4 else \
         [(p,) for p in here] + [tuple(here)]
     for subset in subsets:
-        cheap_first = sorted(subset, key=lambda p: costs.draft(p, batch))
+        cheap_first = sorted(subset, key=lambda p: costs.draft(p, batch, 1))
         top = max(r.accepted.get(p, 0) for r in rows for p in subset)
         for cap in range(1, top + 1):
             choice = []

@@ -63,6 +63,7 @@ from torch import Tensor
 from drafttrain.decode.calibrator import AcceptanceCalibrator
 from drafttrain.decode.planning import (
     best_length,
+    chain_ms,
     drafting_ms,
     expected_tokens,
     length_rates,
@@ -295,10 +296,9 @@ class Scheduler(Proposer):
         prior = self.calibrators[name].batch_prior(cap, B)  # [B, cap]
         rates = length_rates(expected_tokens(prior), B, cm, key, state.active)
         best = best_length(rates)
-        step_ms = cm.draft_time(key, B)
-        nearly_free = self.free_draft and cap * step_ms <= self.free_draft * cm.verify_time(B, 1)
+        nearly_free = self.free_draft and chain_ms(cm, key, B, cap) <= self.free_draft * cm.verify_time(B, 1)
         length = cap if nearly_free else best  # nearly free: draft it all, trim on the drafts' confidences
-        return length, rates[best], length * step_ms
+        return length, rates[best], chain_ms(cm, key, B, length)
 
     def _plan_tree(self, state: DecodeState, part: Proposer, name: str) -> tuple[int, float, float]:
         """A tree's plan: draft it (1) iff its rate, valued as a chain of its depth, beats no draft (0)."""

@@ -157,6 +157,19 @@ def test_calibrator_learns_from_a_verified_tree():
     assert cal.prob(torch.tensor([[1.0, 0.55]]), torch.tensor([[0, 1]]))[0].tolist() == pytest.approx([1.0, 0.5], abs=1e-4)
 
 
+def test_confidences_outside_0_1_read_the_edge_bins():
+    """A drafter's confidence can be NaN (a 0/0 softmax row), 1.0 exactly or above it (rounding):
+    NaN and negatives read the lowest bin, 1.0 and above the highest, never an index error."""
+    cal = AcceptanceCalibrator(decay=1.0, prior_strength=1e-3)
+    depth = torch.ones(40, dtype=torch.long)
+    cal.add(torch.full((20,), 0.05), depth[:20], torch.zeros(20, dtype=torch.bool))  # bin 0: rejected
+    cal.add(torch.full((20,), 0.95), depth[20:], torch.ones(20, dtype=torch.bool))  # bin 9: accepted
+    conf = torch.tensor([[1.0, float("nan"), -0.5, 0.0, 1.0, 7.0, float("inf")]])
+    est = cal.prob(conf, torch.tensor([[0, 1, 1, 1, 1, 1, 1]]))[0].tolist()
+    assert est[0] == 1.0  # the root
+    assert est[1:4] == pytest.approx([0.0] * 3, abs=1e-3) and est[4:] == pytest.approx([1.0] * 3, abs=1e-3)
+
+
 # ---- non-anticipation: the DSpark example against our trimming rule ----------------------------------
 ROWS = 200_000
 P_AB = torch.tensor([0.7, 0.3])

@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from drafttrain.cli import main
 from drafttrain.decode import CostModel, load_or_measure, load_proposer
@@ -89,6 +90,45 @@ def test_the_points_of_a_batch_size_are_timed_round_robin(monkeypatch):
                                             temperature=temperature)
         assert seen == [8] + [1, 3, 5] * 3  # the prefill, then rounds 0 (untimed), 1 and 2
         assert set(out) == {(2, 1), (2, 3), (2, 5)} and all(v > 0 for v in out.values())
+
+
+def test_a_chain_costs_its_call_once_plus_its_steps(tmp_path, monkeypatch):
+    """Session 34: EAGLE's propose + observe at T=1, batch 1, took 1.6 / 2.4 / 3.2 / 4.2 ms for
+    1-4 drafts: a call part of ~0.74 ms (catch-up, set-up) and 0.86 ms a step. The call at 4
+    divided by 4 (1.05 ms a step) priced the third draft 20% too high. The cost model fits the
+    line through the calls at 1 and 4, keeps it through JSON, and prices chains with it."""
+    calls = {1: 1.6, 4: 4.2}
+    monkeypatch.setattr(costmodel_module, "_time_calls", lambda t, p, b, c, r, gamma, temp: calls[gamma])
+    call, step = costmodel_module._time_draft(None, None, 1, 8, 3)
+    assert step == pytest.approx((4.2 - 1.6) / 3) and call == pytest.approx(1.6 - step)
+    calls[4] = 1.5  # noise put the longer call below the shorter: no call part, a quarter a step
+    assert costmodel_module._time_draft(None, None, 1, 8, 3) == (0.0, pytest.approx(1.5 / 4))
+
+    cm = CostModel({(1, 1): 20.0, (1, 4): 22.0}, {"eagle": {1: 0.86, 4: 1.5}}, {}, None, {"eagle": {1: 0.74, 4: 1.2}})
+    assert cm.chain_time("eagle", 1, 0) == 0.0 and cm.chain_time("eagle", 1, 3) == pytest.approx(0.74 + 3 * 0.86)
+    assert cm.draft_call_time("eagle", 2) == pytest.approx(0.74 + (1.2 - 0.74) / 3)
+    assert cm.draft_call_time("ngram", 1) == 0.0 and cm.chain_time("ngram", 1, 4) == 0.0
+    again = CostModel.load(cm.save(tmp_path / "cost.json"))
+    assert again.draft_fixed_ms == cm.draft_fixed_ms and again.chain_time("eagle", 4, 2) == cm.chain_time("eagle", 4, 2)
+    assert "draft ms / call" in again.table()
+
+
+def test_the_plan_prices_a_longer_chain_by_its_steps_not_its_average():
+    """Acceptance 0.51 / 0.57 / 0.50 and session 33-34's costs at T=1, batch 1: verification
+    18.8 / 19.4 / 20.2 ms for 2-4 tokens; drafting 0.74 ms a call + 0.86 ms a step, which a call
+    of 4 divided by 4 averaged to 1.05 ms a step. Averaged, the third draft looks too dear and
+    the plan stops at 2; priced as a call plus steps, it drafts 3."""
+    from drafttrain.decode.planning import best_length, expected_tokens, length_rates
+
+    verify = {(1, 1): 17.1, (1, 2): 18.8, (1, 3): 19.4, (1, 4): 20.2}
+    exp = expected_tokens(torch.tensor([[0.51, 0.57, 0.50]]))
+    active = torch.ones(1, dtype=torch.bool)
+    averaged = CostModel(verify, {"eagle": {1: 1.05}})
+    fitted = CostModel(verify, {"eagle": {1: 0.86}}, {}, None, {"eagle": {1: 0.74}})
+    assert best_length(length_rates(exp, 1, averaged, "eagle", active)) == 2
+    rates = length_rates(exp, 1, fitted, "eagle", active)
+    assert best_length(rates) == 3
+    assert rates[1] == pytest.approx(1.51 / (18.8 + 0.74 + 0.86)) and rates[0] == pytest.approx(1 / 17.1)
 
 
 def test_draft_time_of_unmeasured_proposers():
