@@ -312,9 +312,12 @@ def run_eval(cfg: EvalConfig) -> Results:
     tracker = make_tracker(cfg.tracking, is_main=True, project=cfg.wandb_project, entity="", name=out_dir.name,
                            mode=cfg.wandb_mode, config=to_dict(cfg), run_dir=str(out_dir))
 
-    if cfg.warmup:  # untimed: first-call allocations and lazy imports
-        for m in methods:
-            run_call(target, m, [prompts[0]], temperature=0.0, tree=cfg.tree_setting(), **{**kw, "max_new_tokens": 4})
+    if cfg.warmup:  # untimed: first-call allocations, lazy imports and builds
+        warm = [0.0] + [t for t in cfg.temperatures if t > 0][:1]  # T > 0 loads the sampled path's code
+        for temp in warm:
+            for m in methods:
+                run_call(target, m, [prompts[0]], temperature=temp, tree=cfg.tree_setting(),
+                         **{**kw, "max_new_tokens": 4})
 
     n_batches = -(-len(prompts) // cfg.batch_size)
     per_batch = sum(1 for m in methods if not (m.batch1_only and cfg.batch_size > 1))

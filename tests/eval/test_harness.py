@@ -184,6 +184,26 @@ def test_tracking_logs_namespaced_metrics(model_dirs, prompt_file, tmp_path, mon
     assert logged[0]["eval/T0/ngram/speedup_vs_target"] == run["ngram"]["speedup"]["vs_target"]
 
 
+def test_warm_up_runs_every_method_at_each_kind_of_temperature(model_dirs, prompt_file, tmp_path, monkeypatch):
+    """The untimed warm-up also runs at T > 0: code only sampling loads (the sampled verification's
+    extension) must not load inside the first timed T=1 call (session 33 saw one 129-token call
+    take 22.6 s there)."""
+    import drafttrain.eval.harness as harness
+    from drafttrain.config import parse_args
+    from drafttrain.eval import EvalConfig, run_eval
+
+    warm = []
+    real = harness.run_call
+    monkeypatch.setattr(harness, "run_call", lambda target, m, prompts, *, temperature, max_new_tokens, **kw:
+                        warm.append((m.name, temperature)) or real(target, m, prompts, temperature=temperature,
+                                                                    max_new_tokens=max_new_tokens, **kw))
+    cfg = parse_args([f"target={model_dirs['target']}", "dtype=float32", "proposers=ngram", "baselines=target",
+                      f"bench={prompt_file}", "num_prompts=1", "max_new_tokens=4", "temperatures=0.7,1",
+                      f"output_dir={tmp_path}", "progress=false"], EvalConfig)
+    run_eval(cfg)
+    assert warm == [("target", 0.0), ("ngram", 0.0), ("target", 0.7), ("ngram", 0.7)]
+
+
 def test_sampled_outputs_do_not_depend_on_the_batch_size():
     """T = 1: each prompt's rows are keyed by seed + prompt index, so target-only decoding and a
     fixed-length proposer give every prompt the same tokens at batch 1 and batch 3."""
