@@ -166,6 +166,8 @@ class AcceptanceCalibrator:
         B, N = tree.tokens.shape
         if N == 1:
             return
+        if B == 1 and self._update_chain(tree, result, rows):
+            return
         par = _np(tree.parents)
         acc, num = _np(result.accepted), _np(result.num_accepted)
         on_path = np.zeros((B, N), dtype=bool)
@@ -183,6 +185,38 @@ class AcceptanceCalibrator:
         if self.row_n.shape[0] != B:
             self.reset_rows(B)
         self.add(conf, depths, on_path[b, i], b)
+
+    def _update_chain(self, tree: DraftTree, result: VerifyResult, rows: Tensor | None) -> bool:
+        """`update`'s counting for one row whose tree is a chain, in Python scalars (batch 1: a
+        few trials, where array ops cost more than the sums); False, counting nothing, for a tree
+        with siblings. A chain has one node per depth, so each count gets at most one trial: the
+        same sums, in the same order, as the array path."""
+        parents = tree.parents[0].tolist()
+        if any(p != j - 1 and p != -2 for j, p in enumerate(parents) if j):
+            return False
+        if rows is not None and not bool(rows[0]):
+            return True
+        n = int(result.num_accepted[0])
+        real = sum(p != -2 for p in parents[1:])
+        trials = min(n + 1, real)  # depths 1..n were accepted, n + 1 (when drafted) was tested
+        if not trials:
+            return True
+        conf = tree.confidence[0, 1 : trials + 1].tolist() if tree.confidence is not None else None
+        if self.row_n.shape[0] != 1:
+            self.reset_rows(1)
+        D = self.max_depth
+        for k in range(1, trials + 1):
+            d, hit = min(k - 1, D - 1), float(k <= n)
+            self.depth_n[d] += 1.0
+            self.depth_a[d] += hit
+            if conf is not None:
+                c = int(self._bin(np.float32(conf[k - 1])))
+                self.cell_n[d, c] += 1.0
+                self.cell_a[d, c] += hit
+            self.row_n[0, d] += 1.0
+            self.row_a[0, d] += hit
+        self._g = None
+        return True
 
     def add_shadow(self, tree: DraftTree, verified: Tensor, emitted: dict[int, list[int]]) -> None:
         """Counterfactual evidence: the drafts of deterministic `tree` that were NOT verified

@@ -162,9 +162,13 @@ def trim_tree(tree: DraftTree, p_node: Tensor, *, batch: int, active: Tensor, co
         free_extension: see above (sampled chains only).
     """
     par, act = _host(tree.parents), _host(active).astype(bool)
+    if par.shape[0] == 1:  # one row (batch 1): Python floats, the same decisions (tests/adaptive)
+        keep1 = _trim_row(par[0].tolist(), _host(p_node)[0].tolist(), bool(act[0]), tree.draft_probs is not None,
+                          batch, cost_model, sunk_ms, rate)
+        return torch.tensor([keep1], device=tree.parents.device)
     N = par.shape[1]
     real = (par != -2) & (act[:, None] | (np.arange(N) == 0)[None])
-    pi = np.where(real, _path_products(_host(p_node), par), np.float32(0))
+    pi = np.where(real, _path_products(_host(p_node).astype(np.float64), par), 0.0)
     n_active = max(int(act.sum()), 1)
     if tree.draft_probs is not None:
         keep = _trim_sampled(pi, real, act, batch, n_active, cost_model, rate, free_extension)
@@ -173,13 +177,46 @@ def trim_tree(tree: DraftTree, p_node: Tensor, *, batch: int, active: Tensor, co
     return torch.from_numpy(keep).to(tree.parents.device)
 
 
+def _trim_row(parents: list[int], p: list[float], active: bool, sampled: bool, batch: int,
+              cost_model: CostModel, sunk_ms: float, rate: float) -> list[bool]:
+    """`trim_tree` of a single row in Python floats: at batch 1 the [1, N] arrays cost more in
+    per-op overhead than in arithmetic (in the decode loop, after a forward has flushed the
+    caches, each numpy / torch op costs several microseconds). The free extension needs other
+    rows, so it never applies here."""
+    N = len(parents)
+    real = [j == 0 or (par != -2 and active) for j, par in enumerate(parents)]
+    pi = [1.0] + [0.0] * (N - 1)
+    for j in range(1, N):
+        if real[j] and parents[j] >= 0:
+            pi[j] = pi[parents[j]] * p[j]
+    verify = cost_model.verify_time
+    if sampled:  # the stopping rule: keep k while every pi_j >= tau_j, j <= k
+        has = min(sum(real[1:]), N - 1)
+        kept = 0
+        if active:
+            while kept < has and pi[kept + 1] >= rate * (verify(batch, kept + 2) - verify(batch, kept + 1)):
+                kept += 1
+        return [j <= kept and real[j] for j in range(N)]
+    order = sorted(range(1, N), key=lambda j: (-(pi[j] if real[j] else -1.0), j))  # best first, ties in node order
+    tokens, best, best_rate, gain = 1.0, 0, 1.0 / (sunk_ms + verify(batch, 1)), 0.0
+    for n, j in enumerate(order, start=1):
+        gain += max(pi[j] if real[j] else -1.0, 0.0)
+        r = (tokens + gain) / (sunk_ms + verify(batch, 1 + n))
+        if r > best_rate:
+            best, best_rate = n, r
+    keep = [True] + [False] * (N - 1)
+    for j in order[:best]:
+        keep[j] = real[j]
+    return keep
+
+
 def _trim_sampled(pi: np.ndarray, real: np.ndarray, active: np.ndarray, batch: int, n_active: int,
                   cost_model: CostModel, rate: float, free_extension: bool) -> np.ndarray:
     """Keep mask [B, N] of sampled chains: the stopping rule, then the free extension."""
     B, N = pi.shape
     verify = cost_model.verify_time
     extra = [rate * (verify(batch, 1 + k) - verify(batch, k)) / n_active for k in range(1, N)]
-    tau = np.array([0.0] + extra, dtype=np.float32)
+    tau = np.array([0.0] + extra)
     has = np.minimum(real[:, 1:].sum(1), N - 1)  # chain drafts per row
     kept = np.where(active, _stopping(pi, tau, has), 0)
     if free_extension and B > 1:

@@ -403,9 +403,10 @@ class Scheduler(Proposer):
         keep = trim_tree(merged, p_merged, batch=state.root.shape[0], active=active,
                          cost_model=self._costs(state), sunk_ms=sum(drafts.draft_ms), rate=rate,
                          free_extension=self.free_extension)
-        keep = self._keep_probes(keep, merged, choice, active, probes, drafts)
-        same = keep[:, 1:] == (merged.parents[:, 1:] != -2)
-        if bool((same | ~active[:, None]).all()):
+        if any(probes):
+            keep = self._keep_probes(keep, merged, choice, active, probes, drafts)
+        kept, real = keep.cpu().numpy(), merged.parents.cpu().numpy() != -2  # host arrays: a handful of ops
+        if bool(((kept[:, 1:] == real[:, 1:]) | ~active.cpu().numpy()[:, None]).all()):
             return merged, None
         return compact_tree(merged, keep)
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import Tensor
 
 from drafttrain.decode.calibrator import AcceptanceCalibrator
 from drafttrain.decode.planning import choose_length, expected_tokens, stopping_lengths, trim_tree
@@ -168,6 +169,63 @@ def test_confidences_outside_0_1_read_the_edge_bins():
     est = cal.prob(conf, torch.tensor([[0, 1, 1, 1, 1, 1, 1]]))[0].tolist()
     assert est[0] == 1.0  # the root
     assert est[1:4] == pytest.approx([0.0] * 3, abs=1e-3) and est[4:] == pytest.approx([1.0] * 3, abs=1e-3)
+
+
+def _random_tree(gen: torch.Generator, chain: bool, sampled: bool) -> tuple[DraftTree, Tensor]:
+    """A random one-row draft tree (chain or tree, trailing padding) and calibrated estimates."""
+    n = int(torch.randint(1, 7, (1,), generator=gen))
+    parents = [-1] + [j - 1 if chain else int(torch.randint(0, j, (1,), generator=gen)) for j in range(1, n + 1)]
+    parents += [-2] * int(torch.randint(0, 3, (1,), generator=gen))
+    N = len(parents)
+    probs = torch.rand(1, N, 5, generator=gen) if sampled else None
+    conf = torch.rand(1, N, generator=gen)
+    tree = DraftTree(torch.randint(0, 5, (1, N), generator=gen), torch.tensor([parents]), probs, conf)
+    p = torch.rand(1, N, generator=gen) ** 0.5  # mostly likely drafts, so trims keep a few
+    return tree, torch.where(torch.tensor([parents]) == -2, 0.0, p)
+
+
+@pytest.mark.parametrize("sampled", [True, False])
+def test_a_single_row_trims_as_the_batched_path_does(sampled):
+    """Batch 1 trims in Python floats (`planning._trim_row`); a second, finished row sends the
+    same row through the array path, whose decisions it must repeat exactly."""
+    gen = torch.Generator().manual_seed(7)
+    cost = LinearCost(base=10.0, per_token=0.4, draft=0.5)
+    cost.verify_time = lambda batch, tokens: 10.0 + 0.1 * batch * tokens ** 2  # each extra token dearer
+    for trial in range(300):
+        tree, p = _random_tree(gen, chain=sampled or trial % 2 == 0, sampled=sampled)
+        rate = float(torch.rand(1, generator=gen)) * 0.3
+        for active in (True, False):
+            one = trim_tree(tree, p, batch=1, active=torch.tensor([active]), cost_model=cost, sunk_ms=1.5, rate=rate)
+            two = DraftTree(tree.tokens.repeat(2, 1), tree.parents.repeat(2, 1),
+                            None if tree.draft_probs is None else tree.draft_probs.repeat(2, 1, 1),
+                            tree.confidence.repeat(2, 1))
+            both = trim_tree(two, p.repeat(2, 1), batch=1, active=torch.tensor([active, False]), cost_model=cost,
+                             sunk_ms=1.5, rate=rate)
+            assert one.tolist() == both[:1].tolist(), (trial, active, tree.parents.tolist(), p.tolist())
+
+
+def test_a_single_chain_is_counted_as_the_batched_path_counts_it():
+    """Batch 1 chains are counted in Python scalars (`AcceptanceCalibrator._update_chain`); the same
+    chain as row 0 of two (row 1 not counted) goes through the array path: equal counts."""
+    from drafttrain.decode.verify import VerifyResult
+
+    gen = torch.Generator().manual_seed(3)
+    fast, slow = AcceptanceCalibrator(decay=0.97), AcceptanceCalibrator(decay=0.97)
+    for _ in range(200):
+        tree, _ = _random_tree(gen, chain=True, sampled=bool(torch.rand(1, generator=gen) < 0.5))
+        real = int((tree.parents[0, 1:] != -2).sum())
+        n = int(torch.randint(0, real + 1, (1,), generator=gen))
+        acc = torch.full((1, tree.size - 1), -1)
+        acc[0, :n] = torch.arange(1, n + 1)
+        res = VerifyResult(acc, torch.tensor([n]), torch.tensor([0]), torch.tensor([n]))
+        fast.update(tree, res)
+        two = DraftTree(tree.tokens.repeat(2, 1), tree.parents.repeat(2, 1), None, tree.confidence.repeat(2, 1))
+        slow.update(two, VerifyResult(acc.repeat(2, 1), torch.tensor([n, n]), torch.tensor([0, 0]), torch.tensor([n, n])),
+                    torch.tensor([True, False]))
+    for name in ("depth_n", "depth_a", "cell_n", "cell_a"):
+        assert getattr(fast, name).tolist() == getattr(slow, name).tolist(), name
+    assert fast.row_n[0].tolist() == slow.row_n[0].tolist() and fast.row_a[0].tolist() == slow.row_a[0].tolist()
+    assert fast.depth_n[0] > 1 and fast.depth_a[1] > 0  # evidence at several depths was counted
 
 
 # ---- non-anticipation: the DSpark example against our trimming rule ----------------------------------
