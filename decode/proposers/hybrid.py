@@ -153,6 +153,9 @@ class HybridProposer(Scheduler):
     def _choose(self, state: DecodeState, drafts: Drafts) -> tuple[Tensor, DraftTree, Tensor]:
         """Per row, the best part's tree: (choice [B], the merged tree, its p_nodes [B, N])."""
         choice = self._pick(state, self._scores(state, drafts.trees, drafts.p_nodes))
+        first = int(choice[0])
+        if bool((choice == first).all()):  # one part for every row (always at batch 1): its tree as it is
+            return choice, drafts.trees[first], drafts.p_nodes[first]  # (sampled q stays over its draft vocab)
         vocab_size = state.target.get_output_embeddings().weight.shape[0]
         merged, p_merged = self._merge(drafts.trees, drafts.p_nodes, choice, vocab_size)
         return choice, merged, p_merged
