@@ -19,6 +19,7 @@ schedule priced greedily at T > 0 drafts longer than pays.
 Layout:
     CostModel            the measured grid + per-proposer costs + meta (who, where, when); save / load
     measure_cost_model   times `kv.target_forward` on a filled KV cache and each proposer's steps
+                         (the timing itself: costtiming.py)
     load_or_measure      the cache ($DRAFTTRAIN_CACHE/costs, default ~/.cache/drafttrain/costs), re-measuring only what is missing
     proposer_key         the name a proposer's cost is filed under ("eagle", "early-exit:2", ...);
                          defined beside the Proposer interface (proposers/base.py), re-exported here
@@ -48,8 +49,6 @@ import hashlib
 import json
 import os
 import platform
-import statistics
-import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -57,8 +56,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from drafttrain.decode.costtiming import time_draft, time_verify, warm_up
 from drafttrain.decode.kernels.cpu_linear import KERNELS, draft_weights_of, installed_backend
-from drafttrain.decode.proposers.base import Proposer, proposer_key
+from drafttrain.decode.proposers.base import proposer_key
 
 __all__ = ["CostModel", "measure_cost_model", "load_or_measure", "proposer_key", "FREE_PROPOSERS",
            "DEFAULT_CACHE_DIR", "default_cache_dir"]
@@ -363,123 +363,6 @@ def _cache_file(identity: dict, cache_dir: str | Path) -> Path:
     return Path(cache_dir).expanduser() / f"{identity['model_type']}-{digest}.json"
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _time_verify(target: nn.Module, batch: int, tokens: list[int], context: int, repeats: int,
-                 bar, temperature: float = 0.0) -> dict[tuple[int, int], float]:
-    """Median ms of one verification of t new tokens per row after a `context`-token prefill:
-    greedy (T = 0) the forward with the fused argmax head; sampled (T > 0) the forward's full
-    logits and `verify_tree`'s rejection sampling of a chain against random draft probabilities."""
-    from drafttrain.decode.kv import KVState, target_forward
-    from drafttrain.decode.verify import verify_tree
-
-    device = next(target.parameters()).device
-    vocab = target.get_output_embeddings().weight.shape[0]
-    g = torch.Generator().manual_seed(0)
-    kv = KVState.for_model(target, batch, device)
-    ids = torch.randint(0, vocab, (batch, context), generator=g).to(device)
-    col = torch.arange(context, device=device).expand(batch, -1)
-    target_forward(target, kv, ids, col, col - 1, head="none")  # col - 1: a causal chain, -1 for the first
-    kv.commit(col)
-    t_max = max(tokens)
-    new_all = torch.randint(0, vocab, (batch, t_max), generator=g).to(device)
-    q_all = torch.rand(batch, t_max, vocab, generator=g).to(device).softmax(-1) if temperature > 0 else None
-    times: dict[int, list[float]] = {t: [] for t in tokens}
-    inputs = {t: (new_all[:, :t], context + torch.arange(t, device=device).expand(batch, -1),
-                  torch.arange(-1, t - 1, device=device).expand(batch, -1)) for t in tokens}  # ids, positions, parents
-    # Round-robin: round 0 warms every point up untimed, then each round times every point once, so
-    # a slow spell of a shared machine lands on several points a little, not on one point's calls.
-    for r in range(repeats + 1):
-        for t in tokens:
-            new, pos, parents = inputs[t]
-            _sync(device)
-            t0 = time.perf_counter()
-            if temperature > 0:
-                logits, _ = target_forward(target, kv, new, pos, parents)
-                verify_tree(logits, new, parents, q_all[:, :t], temperature=temperature, seed=r, positions=pos)
-            else:
-                target_forward(target, kv, new, pos, parents, head="argmax")
-            _sync(device)
-            if r:
-                times[t].append((time.perf_counter() - t0) * 1e3)
-            kv.rollback()
-            bar.update(1)
-    return {(batch, t): statistics.median(times[t]) for t in tokens}
-
-
-class _NoBar:
-    def update(self, n: int = 1) -> None:
-        pass
-
-
-def _warm_up(target: nn.Module, batch_sizes: list[int], tokens: list[int], context: int, seconds: float) -> None:
-    """Untimed verification forwards at the first batch size (a prefill, then the fewest and the
-    most tokens) for `seconds`, or 20 rounds on a model so small that they take no time: caches,
-    allocator and clocks reach their steady state before the first point is timed."""
-    t0, rounds = time.perf_counter(), 0
-    while time.perf_counter() - t0 < seconds and rounds < 20:
-        _time_verify(target, batch_sizes[0], sorted({tokens[0], tokens[-1]}), context, 1, _NoBar())
-        rounds += 1
-
-
-class _Timed(Proposer):
-    """Wraps a proposer and times each propose + observe pair (ms)."""
-
-    def __init__(self, inner, device: torch.device):
-        self.inner, self.device, self.times = inner, device, []
-        self.needs_hidden_states = inner.needs_hidden_states
-        self.default_gamma = inner.default_gamma
-
-    def prefill(self, state, hidden) -> None:
-        self.inner.prefill(state, hidden)
-
-    def propose(self, state):
-        _sync(self.device)
-        self._t0 = time.perf_counter()
-        tree = self.inner.propose(state)
-        _sync(self.device)
-        self._ms = (time.perf_counter() - self._t0) * 1e3
-        return tree
-
-    def observe(self, state, tree, result, hidden, *, own=None) -> None:
-        _sync(self.device)
-        t0 = time.perf_counter()
-        self.inner.observe(state, tree, result, hidden, own=own)
-        _sync(self.device)
-        self.times.append(self._ms + (time.perf_counter() - t0) * 1e3)
-
-
-def _time_draft(target: nn.Module, proposer, batch: int, context: int, repeats: int,
-                temperature: float = 0.0) -> tuple[float, float]:
-    """(ms per call, ms per draft step) of `proposer` (see the module docstring), at `temperature`:
-    the line through the median call at chain lengths 1 and 4. When noise puts the call at 4
-    below the call at 1, the call part is 0 and a step a quarter of the call at 4."""
-    t1, t4 = (_time_calls(target, proposer, batch, context, repeats, gamma, temperature) for gamma in (1, 4))
-    if t4 <= t1:
-        return 0.0, t4 / 4
-    step = (t4 - t1) / 3
-    return max(0.0, t1 - step), step
-
-
-def _time_calls(target: nn.Module, proposer, batch: int, context: int, repeats: int, gamma: int,
-                temperature: float) -> float:
-    """Median ms of a propose + observe call of `proposer` drafting chains of `gamma`."""
-    from drafttrain.decode.engine import speculative_generate
-
-    device = next(target.parameters()).device
-    vocab = target.get_output_embeddings().weight.shape[0]
-    ids = torch.randint(3, vocab, (batch, context), generator=torch.Generator().manual_seed(1)).to(device)
-    timed = _Timed(proposer, device)
-    steps = max(repeats, 1) + 1
-    speculative_generate(target, timed, ids, max_new_tokens=steps * (gamma + 1), gamma=gamma, eos_token_id=[],
-                         temperature=temperature, seed=0 if temperature > 0 else None)
-    later = timed.times[1:] or timed.times  # the first call reads the whole prompt
-    return statistics.median(later)
-
-
 def measure_cost_model(target: nn.Module, proposers: dict | None = None, *, batch_sizes=(1, 2, 4, 8, 16),
                        tokens=(1, 2, 3, 4, 5, 6, 8, 12, 16), context: int = 256, repeats: int = 9,
                        progress: bool = True, verify: bool = True, sampled: bool = True,
@@ -530,7 +413,7 @@ def measure_cost_model(target: nn.Module, proposers: dict | None = None, *, batc
     measured = []
     with torch.inference_mode():
         if verify and warmup_s > 0:
-            _warm_up(target, batch_sizes, tokens, context, warmup_s)
+            warm_up(target, batch_sizes, tokens, context, warmup_s)
         for temp in temps:
             verify_ms: dict[tuple[int, int], float] = {}
             draft_ms: dict[str, dict[int, float]] = {}
@@ -539,11 +422,11 @@ def measure_cost_model(target: nn.Module, proposers: dict | None = None, *, batc
             if verify:
                 for b in batch_sizes:
                     bar.set_postfix_str(f"{how} verify batch {b}")
-                    verify_ms.update(_time_verify(target, b, tokens, context, repeats, bar, temperature=temp))
+                    verify_ms.update(time_verify(target, b, tokens, context, repeats, bar, temperature=temp))
             for name, proposer in proposers.items():
                 for b in batch_sizes:
                     bar.set_postfix_str(f"{how} draft {name} batch {b}")
-                    call, step = _time_draft(target, proposer, b, context, draft_repeats, temperature=temp)
+                    call, step = time_draft(target, proposer, b, context, draft_repeats, temperature=temp)
                     draft_ms.setdefault(name, {})[b], fixed_ms.setdefault(name, {})[b] = step, call
                     bar.update(repeats + 1)
             measured.append((verify_ms or {(1, 1): 0.0}, draft_ms, fixed_ms))

@@ -347,7 +347,7 @@ MUTANTS: list[Mutant] = [
            "        grid = [_cummax([float(self.verify_ms[b, t]) for t in self._tokens]) for b in self._batches]\n",
            ("tests/adaptive/test_costmodel.py::test_one_slow_point_is_averaged_with_its_neighbours_not_carried_to_longer_chains",),
            "one slow verification reading must not price every longer chain at its time (adaptive: then stops drafting)"),
-    Mutant("cost-points-timed-in-a-row", "decode/costmodel.py",
+    Mutant("cost-points-timed-in-a-row", "decode/costtiming.py",
            "    for r in range(repeats + 1):\n        for t in tokens:\n",
            "    for t in tokens:\n        for r in range(repeats + 1):\n",
            ("tests/adaptive/test_costmodel.py::test_the_points_of_a_batch_size_are_timed_round_robin",),

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from drafttrain.cli import main
-from drafttrain.decode import CostModel, load_or_measure, load_proposer
+from drafttrain.decode import CostModel, costtiming, load_or_measure, load_proposer
 from drafttrain.decode import costmodel as costmodel_module
 from drafttrain.testing import save_tiny_run_root, tiny_target
 
@@ -86,7 +86,7 @@ def test_the_points_of_a_batch_size_are_timed_round_robin(monkeypatch):
                         seen.append(ids.shape[1]) or real(target, kv, ids, *a, **k))
     for temperature in (0.0, 1.0):
         seen.clear()
-        out = costmodel_module._time_verify(model, 2, [1, 3, 5], 8, 2, costmodel_module._NoBar(),
+        out = costtiming.time_verify(model, 2, [1, 3, 5], 8, 2, costtiming.NoBar(),
                                             temperature=temperature)
         assert seen == [8] + [1, 3, 5] * 3  # the prefill, then rounds 0 (untimed), 1 and 2
         assert set(out) == {(2, 1), (2, 3), (2, 5)} and all(v > 0 for v in out.values())
@@ -98,11 +98,11 @@ def test_a_chain_costs_its_call_once_plus_its_steps(tmp_path, monkeypatch):
     divided by 4 (1.05 ms a step) priced the third draft 20% too high. The cost model fits the
     line through the calls at 1 and 4, keeps it through JSON, and prices chains with it."""
     calls = {1: 1.6, 4: 4.2}
-    monkeypatch.setattr(costmodel_module, "_time_calls", lambda t, p, b, c, r, gamma, temp: calls[gamma])
-    call, step = costmodel_module._time_draft(None, None, 1, 8, 3)
+    monkeypatch.setattr(costtiming, "time_calls", lambda t, p, b, c, r, gamma, temp: calls[gamma])
+    call, step = costtiming.time_draft(None, None, 1, 8, 3)
     assert step == pytest.approx((4.2 - 1.6) / 3) and call == pytest.approx(1.6 - step)
     calls[4] = 1.5  # noise put the longer call below the shorter: no call part, a quarter a step
-    assert costmodel_module._time_draft(None, None, 1, 8, 3) == (0.0, pytest.approx(1.5 / 4))
+    assert costtiming.time_draft(None, None, 1, 8, 3) == (0.0, pytest.approx(1.5 / 4))
 
     cm = CostModel({(1, 1): 20.0, (1, 4): 22.0}, {"eagle": {1: 0.86, 4: 1.5}}, {}, None, {"eagle": {1: 0.74, 4: 1.2}})
     assert cm.chain_time("eagle", 1, 0) == 0.0 and cm.chain_time("eagle", 1, 3) == pytest.approx(0.74 + 3 * 0.86)
@@ -143,8 +143,8 @@ def test_draft_time_of_unmeasured_proposers():
 def test_measured_once_then_only_missing_proposers(tmp_path, monkeypatch):
     model = tiny_target("llama")
     timed = []
-    real_draft = costmodel_module._time_draft
-    monkeypatch.setattr(costmodel_module, "_time_draft",
+    real_draft = costmodel_module.time_draft
+    monkeypatch.setattr(costmodel_module, "time_draft",
                         lambda target, p, b, *a, **k: timed.append((p.name, b)) or real_draft(target, p, b, *a, **k))
     kw = dict(cache_dir=tmp_path, batch_sizes=(1, 2), tokens=(1, 3), context=8, repeats=1, progress=False)
     cm = load_or_measure(model, {"ngram": load_proposer("ngram", model)}, **kw)
@@ -172,10 +172,14 @@ def test_untimed_warm_up_forwards_come_before_the_first_timed_point(monkeypatch)
     cached for every later run): warm-up forwards at the first batch size run first, untimed."""
     model = tiny_target("llama")
     calls = []
-    real = costmodel_module._time_verify
-    monkeypatch.setattr(costmodel_module, "_time_verify", lambda target, b, tokens, *a, **k:
-                        calls.append((b, tuple(tokens), isinstance(a[2], costmodel_module._NoBar)))
-                        or real(target, b, tokens, *a, **k))
+    real = costtiming.time_verify
+
+    def recorded(target, b, tokens, *a, **k):
+        calls.append((b, tuple(tokens), isinstance(a[2], costtiming.NoBar)))
+        return real(target, b, tokens, *a, **k)
+
+    monkeypatch.setattr(costmodel_module, "time_verify", recorded)  # the timed grid
+    monkeypatch.setattr(costtiming, "time_verify", recorded)  # the warm-up
     kw = dict(batch_sizes=(1, 2), tokens=(1, 3, 5), context=8, repeats=1, progress=False, sampled=False)
     costmodel_module.measure_cost_model(model, **kw)
     first_timed = next(i for i, c in enumerate(calls) if not c[2])
