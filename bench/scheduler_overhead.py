@@ -8,13 +8,15 @@ and the scheduler's cost is the difference in ms per verification step:
     target     target-only decoding
     fixed      the drafter at a fixed chain of --gamma
     adaptive   adaptive:<drafter> capped at --gamma, as users run it
-    forced     adaptive with its plan forced to --gamma, so it drafts what the fixed chain drafts
+    planned    adaptive making its plan every step, then dropping it and drafting as `forced`
+    forced     adaptive with its plan forced to --gamma (not computed), so it drafts what the fixed
+               chain drafts; planned - forced is what making the plan costs
     bare       forced, without the trim, the calibrator's update and the step record: it emits the
                fixed chain's tokens exactly (checked), so bare - fixed is the loop's skeleton and
                forced - fixed all of the scheduler's own work
 
     python bench/scheduler_overhead.py runs/eagle_long_s30/drafter --temperature 1 --gamma 3 \
-        --prompts 8 --new-tokens 192
+        --prompts 8 --new-tokens 192 --rounds 2
 
 Session 34 (Xeon, T=1, seed 0; the scratch script this replaces): forced - fixed was 0.65 ms a
 step before the batch-1 Python paths for the trim and the chain count, 0.27 ms after.
@@ -38,7 +40,7 @@ from drafttrain.eval.benchmarks import load_benchmark
 from drafttrain.eval.runner import eos_ids
 from drafttrain.targets import load_target
 
-VARIANTS = ("target", "fixed", "adaptive", "forced", "bare")
+VARIANTS = ("target", "fixed", "adaptive", "planned", "forced", "bare")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -51,6 +53,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0, help="prompt i decodes with seed + i")
     p.add_argument("--gamma", type=int, default=3, help="the fixed chain, the adaptive cap and the forced plan")
+    p.add_argument("--rounds", type=int, default=1, help="decode every prompt this many times (noise)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--linear-backend", default="auto", choices=LINEAR_BACKENDS, help=LINEAR_BACKEND_HELP)
     return p.parse_args(argv)
@@ -60,6 +63,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 def switched(variant: str, gamma: int):
     """The scheduler as `variant` needs it (see the module docstring); everything comes back after."""
     saved = Scheduler._plan, Scheduler._trim, Scheduler._record, AcceptanceCalibrator.update
+    plan = Scheduler._plan
+    if variant == "planned":  # the plan is made, then dropped: the same decisions as `forced`
+        Scheduler._plan = lambda self, state, part, name: (plan(self, state, part, name) and
+                                                           (min(gamma, self._cap(state, part)), 0.0, 0.0))
     if variant in ("forced", "bare"):
         Scheduler._plan = lambda self, state, part, name: (min(gamma, self._cap(state, part)), 0.0, 0.0)
     if variant == "bare":
@@ -73,12 +80,13 @@ def switched(variant: str, gamma: int):
 
 
 def measure(target, fixed, adaptive, prompts: list[list[int]], *, new_tokens: int, temperature: float,
-            seed: int, gamma: int, eos: list[int]) -> dict[str, dict]:
+            seed: int, gamma: int, eos: list[int], rounds: int = 1) -> dict[str, dict]:
     """{variant: tokens, wall_s, steps, sequences}: each prompt decoded by every variant in turn,
-    the order rotated from prompt to prompt."""
+    the order rotated from prompt to prompt and round to round (a round repeats every prompt with
+    the same seeds, so its tokens repeat too; `sequences` holds each call's)."""
     out = {v: {"tokens": 0, "wall_s": 0.0, "steps": 0, "sequences": []} for v in VARIANTS}
-    for i, ids in enumerate(prompts):
-        order = VARIANTS[i % len(VARIANTS):] + VARIANTS[: i % len(VARIANTS)]
+    for k, (i, ids) in enumerate((i, ids) for _ in range(rounds) for i, ids in enumerate(prompts)):
+        order = VARIANTS[k % len(VARIANTS):] + VARIANTS[: k % len(VARIANTS)]
         for v in order:
             prop = None if v == "target" else fixed if v == "fixed" else adaptive
             with switched(v, gamma):
@@ -106,8 +114,10 @@ def table(res: dict[str, dict]) -> list[str]:
                     f"| {ms[v]:.2f} | {over} |")
     same = res["bare"]["sequences"] == res["fixed"]["sequences"]
     rows.append(f"\nbare emitted the fixed chain's tokens: {'yes' if same else 'NO (the comparison is off)'}; "
-                f"the scheduler's own work: forced - fixed = {ms['forced'] - ms['fixed']:+.2f} ms a step, "
-                f"of which the loop's skeleton (bare - fixed) {ms['bare'] - ms['fixed']:+.2f}")
+                f"the scheduler's own work: planned - fixed = {ms['planned'] - ms['fixed']:+.2f} ms a step: "
+                f"the plan (planned - forced) {ms['planned'] - ms['forced']:+.2f}, trim, update and record "
+                f"(forced - bare) {ms['forced'] - ms['bare']:+.2f}, the loop's skeleton (bare - fixed) "
+                f"{ms['bare'] - ms['fixed']:+.2f}")
     return rows
 
 
@@ -120,7 +130,7 @@ def main(argv=None) -> int:
     adaptive = load_proposer(f"adaptive:{args.drafter}", target, tokenizer=tok)
     prompts = [p.ids for p in load_benchmark(args.bench, tok, DataConfig(), args.prompts)]
     res = measure(target, fixed, adaptive, prompts, new_tokens=args.new_tokens, temperature=args.temperature,
-                  seed=args.seed, gamma=args.gamma, eos=eos_ids(target, tok))
+                  seed=args.seed, gamma=args.gamma, eos=eos_ids(target, tok), rounds=args.rounds)
     print("\n".join(table(res)))
     return 0
 

@@ -105,6 +105,12 @@ class AcceptanceCalibrator:
         idx = np.minimum(np.arange(depth), self.max_depth - 1)
         return torch.from_numpy(est[..., idx].astype(np.float32))
 
+    def row_prior(self, depth: int) -> list[float]:
+        """`batch_prior(depth, 1)[0]` as Python floats (float32 values): a batch-1 plan's estimates."""
+        g = self._marginal()
+        est = (self.row_a[0] + self.k_row * g) / (self.row_n[0] + self.k_row) if self.row_n.shape[0] == 1 else g
+        return est[np.minimum(np.arange(depth), self.max_depth - 1)].astype(np.float32).tolist()
+
     def batch_prior(self, depth: int, batch: int) -> Tensor:
         """[batch, depth] estimates before drafting: per row when this calibrator tracks `batch`
         rows, else the depth marginal for every row."""

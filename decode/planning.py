@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from drafttrain.decode.costmodel import CostModel
     from drafttrain.decode.tree import DraftTree
 
-__all__ = ["expected_tokens", "length_rates", "best_length", "choose_length", "path_products",
+__all__ = ["expected_tokens", "length_rates", "row_length_rates", "best_length", "choose_length", "path_products",
            "stopping_lengths", "trim_tree", "drafting_ms", "chain_ms", "tree_nodes", "tree_top_k"]
 
 
@@ -68,6 +68,20 @@ def length_rates(exp_tokens: Tensor, batch: int, cost_model: CostModel, draft_na
     rows = draft_batch or batch
     return [tokens[m] / (cost_model.verify_time(batch, 1 + m) + chain_ms(cost_model, draft_name, rows, m))
             for m in range(L + 1)]
+
+
+def row_length_rates(prior: list[float], cost_model: CostModel, draft_name: str | None) -> list[float]:
+    """`length_rates` of one active row in Python floats (batch 1, where the plan's [1, L] arrays
+    cost more in per-op overhead than in arithmetic): `prior` [L] are the row's float32 estimates,
+    and the expected tokens are rounded to float32 as `expected_tokens` returns them, so the rates
+    are the array path's to the last bit."""
+    exp, reach, total = [1.0], 1.0, 0.0
+    for p in prior:
+        reach *= p
+        total += reach
+        exp.append(float(np.float32(1 + total)))
+    return [exp[m] / (cost_model.verify_time(1, 1 + m) + chain_ms(cost_model, draft_name, 1, m))
+            for m in range(len(exp))]
 
 
 def best_length(rates: list[float]) -> int:

@@ -67,6 +67,7 @@ from drafttrain.decode.planning import (
     drafting_ms,
     expected_tokens,
     length_rates,
+    row_length_rates,
     tree_nodes,
     trim_tree,
 )
@@ -293,8 +294,12 @@ class Scheduler(Proposer):
                     ) -> tuple[int, float, float]:
         """A chain's plan: the length that pays best, or the whole cap when drafting is nearly free."""
         B, cm, key = state.root.shape[0], self._costs(state), proposer_key(part)  # names get "#i", keys do not
-        prior = self.calibrators[name].batch_prior(cap, B)  # [B, cap]
-        rates = length_rates(expected_tokens(prior), B, cm, key, state.active)
+        if B == 1:  # one row: Python floats, the same rates (planning.row_length_rates)
+            prior1 = self.calibrators[name].row_prior(cap)
+            rates = row_length_rates(prior1, cm, key) if bool(state.active[0]) else [0.0] * (cap + 1)
+        else:
+            prior = self.calibrators[name].batch_prior(cap, B)  # [B, cap]
+            rates = length_rates(expected_tokens(prior), B, cm, key, state.active)
         best = best_length(rates)
         nearly_free = self.free_draft and chain_ms(cm, key, B, cap) <= self.free_draft * cm.verify_time(B, 1)
         length = cap if nearly_free else best  # nearly free: draft it all, trim on the drafts' confidences

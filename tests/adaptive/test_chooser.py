@@ -204,6 +204,29 @@ def test_a_single_row_trims_as_the_batched_path_does(sampled):
             assert one.tolist() == both[:1].tolist(), (trial, active, tree.parents.tolist(), p.tolist())
 
 
+def test_a_single_row_plans_as_the_batched_path_does():
+    """Batch 1 plans in Python floats (`planning.row_length_rates`, `AcceptanceCalibrator.row_prior`):
+    the same rates, to the last bit, as the array path, over calibrators with random evidence."""
+    from drafttrain.decode.costmodel import CostModel
+    from drafttrain.decode.planning import length_rates, row_length_rates
+
+    gen = torch.Generator().manual_seed(5)
+    cm = CostModel({(1, t): 17.0 + 0.6 * t + 0.05 * t * t for t in (1, 2, 3, 4, 6, 9)}, {"eagle": {1: 0.86}}, {},
+                   None, {"eagle": {1: 0.74}})
+    for trial in range(100):
+        cal = AcceptanceCalibrator(decay=0.9 + 0.1 * float(torch.rand(1, generator=gen)))
+        cal.reset_rows(1)
+        for _ in range(int(torch.randint(0, 30, (1,), generator=gen))):
+            n = int(torch.randint(1, 9, (1,), generator=gen))
+            cal.add(torch.rand(n, generator=gen), torch.randint(1, 9, (n,), generator=gen),
+                    torch.rand(n, generator=gen) < 0.6, torch.zeros(n, dtype=torch.long))
+            cal.step()
+        L = int(torch.randint(1, 9, (1,), generator=gen))
+        batched = length_rates(expected_tokens(cal.batch_prior(L, 1)), 1, cm, "eagle", torch.tensor([True]))
+        assert row_length_rates(cal.row_prior(L), cm, "eagle") == batched, trial
+    assert AcceptanceCalibrator().row_prior(3) == AcceptanceCalibrator().batch_prior(3, 1)[0].tolist()  # no rows yet
+
+
 def test_a_single_chain_is_counted_as_the_batched_path_counts_it():
     """Batch 1 chains are counted in Python scalars (`AcceptanceCalibrator._update_chain`); the same
     chain as row 0 of two (row 1 not counted) goes through the array path: equal counts."""

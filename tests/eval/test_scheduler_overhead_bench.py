@@ -32,7 +32,8 @@ def test_bare_adaptive_is_the_fixed_chain_and_the_scheduler_comes_back(bench_scr
             assert res["forced"]["steps"] <= res["adaptive"]["steps"]
         assert all(r["tokens"] == 32 and r["wall_s"] > 0 for r in res.values())
         lines = sb.table(res)
-        assert [r.split("|")[1].strip() for r in lines[2:7]] == list(sb.VARIANTS)
+        assert [r.split("|")[1].strip() for r in lines[2:8]] == list(sb.VARIANTS)
+        assert res["planned"]["sequences"] == res["forced"]["sequences"]  # a plan computed, then overridden
         assert "bare emitted the fixed chain's tokens: yes" in lines[-1]
     res["bare"]["sequences"][0] = res["bare"]["sequences"][0][:-1] + [0]
     assert "NO (the comparison is off)" in sb.table(res)[-1]
