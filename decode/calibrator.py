@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from drafttrain.decode.tree import DraftTree
     from drafttrain.decode.verify import VerifyResult
 
-__all__ = ["AcceptanceCalibrator", "shadow_trials"]
+__all__ = ["AcceptanceCalibrator", "shadow_trials", "host_array"]
 
 
 class AcceptanceCalibrator:
@@ -85,7 +85,7 @@ class AcceptanceCalibrator:
     def select_rows(self, idx: Tensor) -> None:
         """Keeps the per-row evidence of batch rows `idx` only (finished rows left the batch)."""
         if self.row_n.shape[0]:
-            i = _np(idx)
+            i = host_array(idx)
             self.row_n, self.row_a = self.row_n[i], self.row_a[i]
 
     # ---- estimates ------------------------------------------------------------------------------
@@ -125,13 +125,13 @@ class AcceptanceCalibrator:
         Without confidences (a proposer that gives none) the depth marginal is used.
         """
         g = self._marginal()
-        dep = _np(depths)
+        dep = host_array(depths)
         d = np.minimum(np.maximum(dep - 1, 0), self.max_depth - 1)
         if confidence is None:
             est = g[d]
         else:
             cell = (self.cell_a + self.k * g[:, None]) / (self.cell_n + self.k)  # [D, bins]
-            est = cell[d, self._bin(_np(confidence))]
+            est = cell[d, self._bin(host_array(confidence))]
         est = np.where(dep == 0, 1.0, est)
         return torch.from_numpy(est.astype(np.float32)).to(depths.device)
 
@@ -145,17 +145,17 @@ class AcceptanceCalibrator:
         """Adds flat evidence: node confidences [M] (or None), depths [M] (>= 1), accepted [M] bool,
         and optionally the batch row [M] of each node (for the per-row estimate)."""
         D, bins = self.max_depth, self.bins
-        d = np.minimum(np.maximum(_np(depth).astype(np.int64) - 1, 0), D - 1)
-        acc = _np(accepted).astype(np.float64)
+        d = np.minimum(np.maximum(host_array(depth).astype(np.int64) - 1, 0), D - 1)
+        acc = host_array(accepted).astype(np.float64)
         self.depth_n += np.bincount(d, minlength=D)
         self.depth_a += np.bincount(d, weights=acc, minlength=D)
         if confidence is not None:
-            cell = d * bins + self._bin(_np(confidence))
+            cell = d * bins + self._bin(host_array(confidence))
             self.cell_n += np.bincount(cell, minlength=D * bins).reshape(D, bins)
             self.cell_a += np.bincount(cell, weights=acc, minlength=D * bins).reshape(D, bins)
         B = self.row_n.shape[0]
         if rows is not None and B:
-            slot = _np(rows).astype(np.int64) * D + d
+            slot = host_array(rows).astype(np.int64) * D + d
             self.row_n += np.bincount(slot, minlength=B * D).reshape(B, D)
             self.row_a += np.bincount(slot, weights=acc, minlength=B * D).reshape(B, D)
         self._g = None
@@ -174,20 +174,20 @@ class AcceptanceCalibrator:
             return
         if B == 1 and self._update_chain(tree, result, rows):
             return
-        par = _np(tree.parents)
-        acc, num = _np(result.accepted), _np(result.num_accepted)
+        par = host_array(tree.parents)
+        acc, num = host_array(result.accepted), host_array(result.num_accepted)
         on_path = np.zeros((B, N), dtype=bool)
         on_path[:, 0] = True
         pb, pk = np.nonzero(np.arange(acc.shape[1])[None] < num[:, None])  # accepted path entries
         on_path[pb, acc[pb, pk]] = True
         trial = (par >= 0) & on_path[np.arange(B)[:, None], np.maximum(par, 0)]  # parent accepted: tested
         if rows is not None:
-            trial &= _np(rows)[:, None]
+            trial &= host_array(rows)[:, None]
         b, i = np.nonzero(trial)
         if not len(b):
             return
-        depths = _np(tree.depths())[b, i]
-        conf = _np(tree.confidence)[b, i] if tree.confidence is not None else None
+        depths = host_array(tree.depths())[b, i]
+        conf = host_array(tree.confidence)[b, i] if tree.confidence is not None else None
         if self.row_n.shape[0] != B:
             self.reset_rows(B)
         self.add(conf, depths, on_path[b, i], b)
@@ -248,7 +248,7 @@ class AcceptanceCalibrator:
         B = tree.tokens.shape[0]
         toks, pars = tree.tokens.tolist(), tree.parents.tolist()
         conf = tree.confidence.cpu().tolist() if tree.confidence is not None else None
-        ver = _np(verified)
+        ver = host_array(verified)
         rec_b, rec_d, rec_c, rec_a = [], [], [], []
         for b, tokens in emitted.items():
             for j, d, hit in shadow_trials(toks[b], pars[b], tokens):
@@ -262,8 +262,9 @@ class AcceptanceCalibrator:
                      np.array(rec_a), np.array(rec_b))
 
 
-def _np(x: Tensor | np.ndarray) -> np.ndarray:
-    """A host numpy view of a tensor (or the array itself)."""
+def host_array(x: Tensor | np.ndarray) -> np.ndarray:
+    """A host numpy view of a tensor (or the array itself): the calibrator's and the planning
+    math's small [B, N] arrays, where torch's per-op dispatch costs more than the arithmetic."""
     return x.detach().cpu().numpy() if isinstance(x, Tensor) else np.asarray(x)
 
 

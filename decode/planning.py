@@ -26,6 +26,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from drafttrain.decode.calibrator import host_array
 from drafttrain.decode.tree import DynamicTree, StaticTree
 
 if TYPE_CHECKING:
@@ -45,7 +46,7 @@ def expected_tokens(p_node: Tensor) -> Tensor:
     Returns:
         [B, L + 1]: E_L = 1 + sum_{k <= L} prod_{j <= k} p_j (E_0 = 1).
     """
-    reach = np.cumprod(_host(p_node).astype(np.float64), axis=1)  # [B, L] P(first k all accepted)
+    reach = np.cumprod(host_array(p_node).astype(np.float64), axis=1)  # [B, L] P(first k all accepted)
     out = np.concatenate([np.ones((reach.shape[0], 1)), 1 + reach.cumsum(1)], 1)
     dtype = p_node.dtype if p_node.is_floating_point() else torch.float32
     return torch.from_numpy(out).to(device=p_node.device, dtype=dtype)
@@ -117,7 +118,7 @@ def choose_length(exp_tokens: Tensor, batch: int, cost_model: CostModel, draft_n
 
 def path_products(p_node: Tensor, parents: Tensor) -> Tensor:
     """[B, N] cumulative estimate of each node along its path from the root (padding 0)."""
-    return torch.from_numpy(_path_products(_host(p_node), _host(parents))).to(p_node.device)
+    return torch.from_numpy(_path_products(host_array(p_node), host_array(parents))).to(p_node.device)
 
 
 def _path_products(p: np.ndarray, par: np.ndarray) -> np.ndarray:
@@ -142,7 +143,7 @@ def stopping_lengths(pi: Tensor, tau: Tensor, lengths: Tensor) -> Tensor:
     Returns:
         [B] long kept lengths; `kept >= k` depends only on pi[:, :k + 1] (a stopping time).
     """
-    kept = _stopping(_host(pi), _host(tau).astype(np.float32), _host(lengths))
+    kept = _stopping(host_array(pi), host_array(tau).astype(np.float32), host_array(lengths))
     return torch.from_numpy(kept).to(pi.device)
 
 
@@ -175,14 +176,14 @@ def trim_tree(tree: DraftTree, p_node: Tensor, *, batch: int, active: Tensor, co
         rate: planned expected tokens per ms (from the plan; fixed before drafting).
         free_extension: see above (sampled chains only).
     """
-    par, act = _host(tree.parents), _host(active).astype(bool)
+    par, act = host_array(tree.parents), host_array(active).astype(bool)
     if par.shape[0] == 1:  # one row (batch 1): Python floats, the same decisions (tests/adaptive)
-        keep1 = _trim_row(par[0].tolist(), _host(p_node)[0].tolist(), bool(act[0]), tree.draft_probs is not None,
+        keep1 = _trim_row(par[0].tolist(), host_array(p_node)[0].tolist(), bool(act[0]), tree.draft_probs is not None,
                           batch, cost_model, sunk_ms, rate)
         return torch.tensor([keep1], device=tree.parents.device)
     N = par.shape[1]
     real = (par != -2) & (act[:, None] | (np.arange(N) == 0)[None])
-    pi = np.where(real, _path_products(_host(p_node).astype(np.float64), par), 0.0)
+    pi = np.where(real, _path_products(host_array(p_node).astype(np.float64), par), 0.0)
     n_active = max(int(act.sum()), 1)
     if tree.draft_probs is not None:
         keep = _trim_sampled(pi, real, act, batch, n_active, cost_model, rate, free_extension)
@@ -253,12 +254,6 @@ def _trim_deterministic(pi: np.ndarray, real: np.ndarray, active: np.ndarray, ba
     rank = np.empty_like(order)
     np.put_along_axis(rank, order, np.broadcast_to(np.arange(N - 1), order.shape), 1)
     return np.concatenate([np.ones((B, 1), dtype=bool), (rank < best) & real[:, 1:]], 1)
-
-
-def _host(x: Tensor | np.ndarray) -> np.ndarray:
-    """A host numpy view of a tensor: the planning math runs on [B, N] arrays with N ~ 4-60, where
-    torch's per-op dispatch (~5 us) costs more than the arithmetic (session 34)."""
-    return x.detach().cpu().numpy() if isinstance(x, Tensor) else np.asarray(x)
 
 
 # ---- drafting costs ---------------------------------------------------------------------------------
