@@ -56,7 +56,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from drafttrain.decode.costtiming import time_draft, time_verify, warm_up
+from drafttrain.decode.costtiming import rounds_for, time_draft, time_verify, warm_up
 from drafttrain.decode.kernels.cpu_linear import KERNELS, draft_weights_of, installed_backend
 from drafttrain.decode.proposers.base import proposer_key
 
@@ -380,7 +380,9 @@ def measure_cost_model(target: nn.Module, proposers: dict | None = None, *, batc
             of ~18 at batch 1), so that step must be right, not only each point: with 3 calls
             the 3 -> 4 token step read 0.05 / 0.84 / 0.43 ms in three grids minutes apart, with 9
             0.64 / 0.33 / 0.60 (session 34, T=1). The cached 1.55 ms step stopped T=1 plans at
-            2 drafts where 3 decoded 7% faster.
+            2 drafts where 3 decoded 7% faster. Batch 1 and 2 get 4x / 2x the rounds
+            (`costtiming.rounds_for`), and each point is the median of its times with every
+            round's shared offset removed (`costtiming.centred_medians`; session 35).
         progress: show a progress bar with ETA.
         verify: False times the proposers only (the returned model's verify_ms is then a
             placeholder {(1, 1): 0.0}: read its draft_ms, and its sampled one's).
@@ -407,8 +409,8 @@ def measure_cost_model(target: nn.Module, proposers: dict | None = None, *, batc
         raise ValueError("context and repeats must be >= 1")
     temps = (0.0, 1.0) if sampled else (0.0,)
     draft_repeats = max(repeats, 8)  # a line through two medians: fewer calls leave its slope noisy
-    points = (len(batch_sizes) * len(tokens) if verify else 0) + len(proposers) * len(batch_sizes)
-    total = len(temps) * points * (repeats + 1)  # calls: each point is called repeats + 1 times
+    verify_calls = sum(len(tokens) * (rounds_for(b, repeats) + 1) for b in batch_sizes) if verify else 0
+    total = len(temps) * (verify_calls + len(proposers) * len(batch_sizes) * (repeats + 1))  # calls, for the bar
     bar = tqdm(total=total, desc="profile", unit="call", disable=not progress, dynamic_ncols=True)
     measured = []
     with torch.inference_mode():
@@ -422,7 +424,8 @@ def measure_cost_model(target: nn.Module, proposers: dict | None = None, *, batc
             if verify:
                 for b in batch_sizes:
                     bar.set_postfix_str(f"{how} verify batch {b}")
-                    verify_ms.update(time_verify(target, b, tokens, context, repeats, bar, temperature=temp))
+                    verify_ms.update(time_verify(target, b, tokens, context, rounds_for(b, repeats), bar,
+                                                 temperature=temp))
             for name, proposer in proposers.items():
                 for b in batch_sizes:
                     bar.set_postfix_str(f"{how} draft {name} batch {b}")

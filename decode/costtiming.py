@@ -1,7 +1,9 @@
 """Timing for the cost model (costmodel.py): one verification forward, one proposer's drafting.
 
     time_verify    median ms of a target forward over t new tokens per row, for each t of a grid,
-                   called round-robin (every t once per round) so a slow spell hits every point
+                   called round-robin (every t once per round) so a slow spell hits every point,
+                   and read after each round's shared offset is removed (`centred_medians`)
+    rounds_for     how many timed rounds a batch size gets: more for the cheap small batches
     warm_up        untimed forwards before the first timed point
     time_draft     (ms per call, ms per draft step) of a proposer: the line through its median
                    propose + observe call at chains of 1 and 4 (`time_calls`)
@@ -17,12 +19,13 @@ from __future__ import annotations
 import statistics
 import time
 
+import numpy as np
 import torch
 from torch import nn
 
 from drafttrain.decode.proposers.base import Proposer
 
-__all__ = ["time_verify", "warm_up", "time_draft", "time_calls", "Timed", "NoBar", "sync"]
+__all__ = ["time_verify", "centred_medians", "rounds_for", "SMALL_BATCH_ROUNDS", "warm_up", "time_draft", "time_calls", "Timed", "NoBar", "sync"]
 
 
 def sync(device: torch.device) -> None:
@@ -69,7 +72,42 @@ def time_verify(target: nn.Module, batch: int, tokens: list[int], context: int, 
                 times[t].append((time.perf_counter() - t0) * 1e3)
             kv.rollback()
             bar.update(1)
-    return {(batch, t): statistics.median(times[t]) for t in tokens}
+    return {(batch, t): ms for t, ms in zip(tokens, centred_medians([times[t] for t in tokens]))}
+
+
+#: extra timed rounds of the cheap small batch sizes, as a multiple of `repeats` ({batch: factor})
+SMALL_BATCH_ROUNDS = {1: 4, 2: 2}
+
+
+def rounds_for(batch: int, repeats: int) -> int:
+    """Timed rounds for one batch size: `repeats`, times SMALL_BATCH_ROUNDS for batch 1 and 2.
+
+    Why: plans at batch 1 weigh one more draft by the step between neighbouring token counts, and
+    those steps are small (0.2-2.5 ms of ~30 on a 2-core EPYC, session 35). With 9 rounds a step
+    read 0.5-1.5 ms off (sd over blocks of a 200-round run); with 36, 0.1-1.0. A batch-1 round
+    costs ~0.35 s, so the extra rounds add ~20 s to a profile whose large batches take minutes."""
+    return repeats * SMALL_BATCH_ROUNDS.get(batch, 1)
+
+
+def centred_medians(rounds: list[list[float]]) -> list[float]:
+    """Per point, the median of its times after each round's shared offset is removed.
+
+    Args:
+        rounds: per point, its times in round order (round r of every point timed in one pass).
+
+    A slow spell of a shared machine moves every point timed in its round; the offset of round r
+    is the median over points of (time - that point's median), and the point's value the median of
+    its offset-free times. Plain medians keep the spells as noise between the points, which is
+    what plans read (session 35, 200 greedy batch-1 rounds on a 2-core EPYC, in blocks of 27: the
+    sd of a step between neighbouring token counts 0.8-1.3 ms with plain medians, 0.5-1.1 centred).
+    """
+    if len({len(r) for r in rounds}) > 1:
+        raise ValueError("centred_medians needs one equally long list of times per point")
+    times = np.asarray(rounds, dtype=np.float64)
+    if times.shape[1] < 3:  # too few rounds to tell a spell from a point
+        return np.median(times, axis=1).tolist()
+    offset = np.median(times - np.median(times, axis=1, keepdims=True), axis=0, keepdims=True)
+    return np.median(times - offset, axis=1).tolist()
 
 
 class NoBar:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -90,6 +91,36 @@ def test_the_points_of_a_batch_size_are_timed_round_robin(monkeypatch):
                                             temperature=temperature)
         assert seen == [8] + [1, 3, 5] * 3  # the prefill, then rounds 0 (untimed), 1 and 2
         assert set(out) == {(2, 1), (2, 3), (2, 5)} and all(v > 0 for v in out.values())
+
+
+def test_a_slow_spell_shared_by_a_round_does_not_move_the_steps():
+    """Session 35's greedy batch-1 row on a 2-core EPYC steps by 2.4 / 0.2 / 0.5 / 2.2 / 0.2 ms
+    from 1 to 6 tokens (kernel tiles), small beside the ~30 ms forward and its noise. A slow spell
+    moves every point of its round; read after each round's offset is removed, the steps a plan
+    weighs scatter far less than between plain medians, around the true steps."""
+    true = np.array([27.0, 29.4, 29.6, 30.1, 32.3, 32.5])
+    centred, plain = [], []
+    for seed in range(200):
+        rng = np.random.default_rng(seed)
+        times = true[:, None] + rng.exponential(3.0, 9)[None, :] + rng.normal(0, 0.3, (6, 9))
+        centred.append(np.diff(costtiming.centred_medians(times.tolist())))
+        plain.append(np.diff(np.median(times, axis=1)))
+    centred, plain = np.array(centred), np.array(plain)
+    assert np.all(centred.std(0) < 0.6 * plain.std(0)), (centred.std(0), plain.std(0))
+    assert np.abs(centred.mean(0) - np.diff(true)).max() < 0.1
+    assert costtiming.centred_medians([[1.0, 9.0], [2.0, 3.0]]) == [5.0, 2.5]  # two rounds: plain medians
+
+
+def test_small_batches_get_more_timed_rounds(monkeypatch):
+    """Batch 1 and 2 are cheap to time and are where plans weigh the smallest steps: they get 4x and
+    2x the rounds of the larger batch sizes."""
+    seen = {}
+    monkeypatch.setattr(costmodel_module, "time_verify", lambda target, b, tokens, context, rounds, bar, **k:
+                        seen.setdefault(b, rounds) and {(b, t): 1.0 + b + t for t in tokens})
+    monkeypatch.setattr(costmodel_module, "warm_up", lambda *a: None)
+    costmodel_module.measure_cost_model(tiny_target("llama"), batch_sizes=(1, 2, 4, 8), tokens=(1, 2), context=8,
+                                        repeats=5, progress=False, sampled=False)
+    assert seen == {1: 20, 2: 10, 4: 5, 8: 5}
 
 
 def test_a_chain_costs_its_call_once_plus_its_steps(tmp_path, monkeypatch):
