@@ -38,7 +38,7 @@ class ProfileConfig:
     batch_sizes: list[int] = field_(default_factory=lambda: [1, 2, 4, 8, 16], help="rows per forward")
     tokens: list[int] = field_(default_factory=lambda: [1, 2, 3, 4, 5, 6, 8, 12, 16], help="new tokens per row per forward")
     context: int = field_(256, help="tokens already in the KV cache per row")
-    repeats: int = field_(9, help="timed calls per point (median), after one warm-up; plans weigh the step between token counts, which fewer calls leave noisy")
+    repeats: int = field_(9, help="timed calls per point (median, each round's shared offset removed), after one warm-up; batch 1 / 2 get 4x / 2x; plans weigh the step between token counts, which fewer calls leave noisy")
     sampled: bool = field_(True, help="also time everything at T = 1 (full logits + rejection sampling, sampled drafts): what adaptive decoding prices T > 0 with; about doubles the time")
     threads: int = field_(0, help="torch threads; 0 = leave as is (part of the cache key)")
     output: str = field_("runs/profile/cost_model.png", help="PNG plot path (the JSON goes to cache_dir; a copy beside the PNG)")
