@@ -5,7 +5,8 @@ drafter folder per mark under <run>/snapshots/ and its final drafter in <run>/dr
 all in one `drafttrain eval` run (same prompts, same machine phase, paired against the same
 target-only baseline), then this script matches each evaluated drafter to its training minutes
 and prints a markdown table (tau, speedup vs target-only with its 95% interval, per temperature)
-and draws the curve as a PNG.
+and a text chart (bars of tau and speedup per training minutes, for README and logs), and draws
+the curve as a PNG.
 
     drafttrain eval proposers=adaptive:RUN/snapshots/train-10min,...,adaptive:RUN/drafter \\
         baselines=target bench=mtbench num_prompts=8 max_new_tokens=256 temperatures=0,1 output_dir=EVAL
@@ -84,6 +85,25 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def text_chart(rows: list[dict]) -> str:
+    """The curve as text bars, per temperature: decoded tau and speedup (with its 95% interval)
+    against training minutes; bars share one scale per quantity so the temperatures compare."""
+    from drafttrain.eval.report import text_bars
+
+    out = []
+    for key, fmt in (("tau", "tau {:.2f}"), ("speedup", "{:.2f}x")):
+        top = max(r[key] for r in rows)
+        for t in sorted({r["temperature"] for r in rows}):
+            rs = [r for r in rows if r["temperature"] == t]
+            title = "decoded tau" if key == "tau" else "speedup vs target-only [95% CI]"
+            out.append(f"T={t:g}, {title}, by training minutes")
+            bars = text_bars([(f"{r['minutes']:.0f} min", r[key]) for r in rs], width=36, fmt=fmt, top=top)
+            if key == "speedup":
+                bars = [f"{b}  [{r['lo']:.2f}, {r['hi']:.2f}]" for b, r in zip(bars, rs)]
+            out += bars + [""]
+    return "\n".join(out).rstrip()
+
+
 def plot(rows: list[dict], png: Path, title: str) -> None:
     import matplotlib
 
@@ -122,6 +142,7 @@ def main(argv=None) -> None:
         raise SystemExit(f"minutes_curve: no drafter of {run} (snapshots/ or drafter/) in {results_file}; "
                          "evaluate them with proposers=adaptive:<folder>,...")
     print(markdown(rows))
+    print("\n```text\n" + text_chart(rows) + "\n```")
     png = Path(args.png) if args.png else ev / "minutes_curve.png"
     bench = results.get("benchmark", {})
     plot(rows, png, f"{run.name} on {bench.get('name', 'the benchmark') if isinstance(bench, dict) else bench}")

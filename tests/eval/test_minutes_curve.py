@@ -37,3 +37,17 @@ def test_rows_follow_training_minutes_and_skip_what_the_run_did_not_train(tmp_pa
     png = tmp_path / "curve.png"
     mc.plot(rows, png, "run")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_text_chart_draws_longer_bars_for_later_drafters_and_keeps_the_intervals(tmp_path, bench_script):
+    mc = bench_script("minutes_curve")
+    run = tmp_path / "run"
+    early, late = (_drafter(run / "snapshots" / f"train-{m}min", {"step": m, "train_time_s": 60.0 * m}) for m in (10, 60))
+    results = {"runs": [{"temperature": 1.0, "batch_size": 1, "methods": {
+        early: _method(1.5, 1.1), late: _method(2.0, 1.4)}}]}
+    chart = mc.text_chart(mc.curve_rows(run, results)).splitlines()
+    tau = [line for line in chart if line.startswith(("10 min", "60 min")) and "tau" in line]
+    speed = [line for line in chart if line.startswith(("10 min", "60 min")) and "x  [" in line]
+    assert len(tau) == 2 and len(speed) == 2
+    assert tau[0].count("█") < tau[1].count("█") and speed[0].count("█") < speed[1].count("█")
+    assert speed[0].endswith("1.10x  [1.00, 1.20]") and speed[1].endswith("1.40x  [1.30, 1.50]")
