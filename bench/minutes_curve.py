@@ -1,6 +1,6 @@
 """Decoded tau and speedup against training minutes, from one run's snapshots and one eval.
 
-A training run with `train.snapshot_minutes` (recipe=eagle_long sets 10 / 30 / 45 / 60) leaves a
+A training run with `train.snapshot_minutes` (recipe=eagle_long sets 10 / 30 / 60 / 90) leaves a
 drafter folder per mark under <run>/snapshots/ and its final drafter in <run>/drafter. Decode them
 all in one `drafttrain eval` run (same prompts, same machine phase, paired against the same
 target-only baseline), then this script matches each evaluated drafter to its training minutes
