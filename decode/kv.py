@@ -144,12 +144,15 @@ class _GrowingLayer(DynamicLayer):
         """Keeps the first `length` entries (the rest of the buffer is spare room)."""
         self._len = min(length, self._len)
 
-    def gather(self, idx: Tensor) -> None:
-        """Keeps entries idx [B, L'] (per row, in order) as the first L' of each row, in place."""
+    def gather(self, idx: Tensor, start: int = 0) -> None:
+        """Keeps the first `start` entries, then entries start + idx [B, m] (per row, in order), in
+        place: only the entries after `start` are read and written (a step's pending tail, not the
+        whole cache)."""
         for buf in (self._kbuf, self._vbuf):
-            g = buf[:, :, : self._len].gather(2, idx[:, None, :, None].expand(-1, buf.shape[1], -1, buf.shape[-1]))
-            buf[:, :, : idx.shape[1]] = g
-        self._len = idx.shape[1]
+            tail = buf[:, :, start: self._len]
+            g = tail.gather(2, idx[:, None, :, None].expand(-1, buf.shape[1], -1, buf.shape[-1]))
+            buf[:, :, start: start + idx.shape[1]] = g
+        self._len = start + idx.shape[1]
 
     def select(self, rows: Tensor | None = None, cols: Tensor | None = None) -> None:
         """Keeps batch rows `rows` and then entries `cols` (fresh buffers, no spare room)."""
@@ -302,21 +305,21 @@ class KVState:
                 host knows; None: checked here).
         """
         Lc, Lp = self.committed_len, self.pending_len
-        B, m = keep.shape
+        m = keep.shape[1]
         device = keep.device
         # Every row keeping the first m pending entries in order (target-only steps, a chain's
         # accepted prefix at batch 1) is a slice of the cache, not a gather of all of it.
         if prefix is None:
             prefix = bool((keep == torch.arange(m, device=device)).all())
         prefix = prefix and m <= Lp
-        idx = None if prefix else torch.cat([torch.arange(Lc, device=device).expand(B, Lc), Lc + keep.clamp(min=0)], 1)
+        idx = None if prefix else keep.clamp(min=0)  # into the pending tail; the committed part stays
         for layer in self._layers():
             if layer.length != Lc + Lp:
                 raise RuntimeError("cache layer length out of sync with KVState (roll back drafts first)")
             if prefix:
                 layer.truncate(Lc + m)
             else:
-                layer.gather(idx)
+                layer.gather(idx, start=Lc)
         if prefix:
             kept_valid, kept_pos = self.pend_valid[:, :m], self.pend_pos[:, :m]
         else:
