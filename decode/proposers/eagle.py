@@ -7,10 +7,13 @@ the target's verification forward (`needs_hidden_states` = the drafter's aux lay
 fused by `drafter.fuse`).
 
 Per row the proposer remembers which token it last read as an input (`read`) and the target
-features it has not used yet. Each step it catches up on the newly accepted tokens with their
-TARGET features (the KV of the drafted nodes, computed from the drafter's own features, is
-rolled back, as in the official implementation), which yields the root's logits; then the
-base class grows the tree. A reduced draft vocabulary is mapped back with `d2t` (target id =
+features it has not used yet, as the target gave them (the aux layers' states, concatenated):
+they go through the drafter's `fc` only when it drafts, in one call for all of them, so a step
+the drafter sits out (a hybrid's n-gram step, or the prompt of a generation it never drafts in)
+costs an index and no matmul. Each step it drafts it catches up on the newly accepted tokens
+with their TARGET features (the KV of the drafted nodes, computed from the drafter's own
+features, is rolled back, as in the official implementation), which yields the root's logits;
+then the base class grows the tree. A reduced draft vocabulary is mapped back with `d2t` (target id =
 draft id + d2t[draft id]).
 
 Deliberately not here: training, loading weights (drafttrain.models.eagle), Medusa.
@@ -45,32 +48,36 @@ class EagleProposer(NodeDrafter):
         self.vocab_size = drafter.cfg.vocab_size
 
     # ---- features -------------------------------------------------------------------------------
-    def _fused(self, hidden: dict[int, Tensor]) -> Tensor:
-        aux = torch.cat([hidden[i] for i in self.needs_hidden_states], -1)  # [B, T, A*H]
+    def _aux(self, hidden: dict[int, Tensor]) -> Tensor:
+        """[B, T, A*H] the aux layers' states, concatenated: what `fuse` reads."""
+        return torch.cat([hidden[i] for i in self.needs_hidden_states], -1)
+
+    def _fused(self, aux: Tensor) -> Tensor:
+        """[..., A*H] concatenated aux states -> [..., H] the drafter's input features."""
         p = next(self.drafter.parameters())
-        return self.drafter.fuse(aux.to(p.dtype))  # [B, T, H]
+        return self.drafter.fuse(aux.to(p.dtype))
 
     def prefill(self, state, hidden) -> None:
         B = state.root.shape[0]
         self.kv = KVState(B, state.root.device)
         self.read = [0] * B  # index of the last token read as an input (x_0 never is)
-        self.feats: list[list[Tensor]] = [[] for _ in range(B)]  # unused target features, in order
+        self.feats: list[list[Tensor]] = [[] for _ in range(B)]  # unread aux states [k, A*H], in order
         if hidden:
-            fused = self._fused(hidden)  # [B, P-1, H]; row b's real tokens are its last len-1 columns
+            aux = self._aux(hidden)  # [B, P-1, A*H]; row b's real tokens are its last len-1 columns
             for b, seq in enumerate(state.tokens):
                 n = len(seq) - 1
                 if n > 0:
-                    self.feats[b].append(fused[b, fused.shape[1] - n :])
+                    self.feats[b].append(aux[b, aux.shape[1] - n :])
 
     def observe(self, state, tree, result, hidden, *, own=None) -> None:
         # Only the verified tree's accepted path and hidden states are read, so this works for any
         # tree (`own` does not matter): a foreign tree, or a step this proposer did not draft.
         self.kv.rollback()  # drafted nodes were built from the drafter's own features
-        fused = self._fused(hidden)  # [B, N, H] target features at the tree nodes
+        aux = self._aux(hidden)  # [B, N, A*H] target states at the tree nodes
         for b, path in enumerate(accepted_paths(result)):
             if bool(state.active[b]) or len(state.tokens[b]) - 1 > self.read[b]:
-                nodes = torch.tensor([0] + path, device=fused.device)
-                self.feats[b].append(fused[b, nodes])
+                nodes = torch.tensor([0] + path, device=aux.device)
+                self.feats[b].append(aux[b, nodes])
 
     def select_rows(self, idx: Tensor) -> bool:
         self.kv.select_rows(idx)
@@ -99,19 +106,20 @@ class EagleProposer(NodeDrafter):
 
     def _begin(self, state, capacity: int) -> tuple[Tensor, int]:
         B, device = len(state.tokens), state.root.device
-        H = self.drafter.cfg.hidden_size
         dtype = next(self.drafter.parameters()).dtype
         todo = [seq[r + 1 :] for seq, r in zip(state.tokens, self.read)]
-        feats = [torch.cat(f, 0)[-len(t):] if t else None for f, t in zip(self.feats, todo)]
+        feats = [torch.cat(f, 0)[-len(t):] if t else None for f, t in zip(self.feats, todo)]  # aux states
         m = max(1, max(len(t) for t in todo))
         if all(len(t) == m for t in todo):  # no padding (batch 1, or rows that accepted alike): fewer ops
             pos = torch.tensor([list(range(r + 1, r + 1 + m)) for r in self.read], device=device)
             parents = torch.tensor([[-1, *range(m - 1)]] * B, device=device)
-            logits, h_out = self._run(torch.tensor(todo, device=device), torch.stack(feats), pos, parents, last=True)
+            hid = self._fused(torch.stack(feats))  # every row's features through fc in one call
+            logits, h_out = self._run(torch.tensor(todo, device=device), hid, pos, parents, last=True)
             self.kv.commit(torch.arange(m, device=device).expand(B, m), prefix=True)
             return self._caught_up(state, capacity, logits, h_out, dtype)
         ids = torch.zeros(B, m, dtype=torch.long, device=device)
-        hid = torch.zeros(B, m, H, dtype=dtype, device=device)
+        A = next(f for f in feats if f is not None).shape[-1]
+        aux = torch.zeros(B, m, A, dtype=dtype, device=device)
         valid = torch.zeros(B, m, dtype=torch.bool, device=device)
         pos = torch.zeros(B, m, dtype=torch.long, device=device)
         for b, t in enumerate(todo):
@@ -119,12 +127,12 @@ class EagleProposer(NodeDrafter):
                 continue
             n = len(t)
             ids[b, m - n :] = torch.tensor(t, device=device)
-            hid[b, m - n :] = feats[b]
+            aux[b, m - n :] = feats[b]
             valid[b, m - n :] = True
             pos[b, m - n :] = torch.arange(self.read[b] + 1, self.read[b] + 1 + n, device=device)
         col = torch.arange(m, device=device).expand(B, m)
         parents = torch.where(valid & (col > 0) & valid.roll(1, 1), col - 1, -1)
-        logits, h_out = self._run(ids, hid, pos, parents, valid, last=True)
+        logits, h_out = self._run(ids, self._fused(aux), pos, parents, valid, last=True)  # padding: fc(0) = 0
         self.kv.commit(torch.where(valid, col, -1))
         return self._caught_up(state, capacity, logits, h_out, dtype)
 
