@@ -28,7 +28,14 @@ from drafttrain.decode.kernels.cpu_layers import MAX_ROWS, fused
 from drafttrain.decode.kv import KVState
 from drafttrain.decode.proposers.base import NodeDrafter, accepted_paths
 
-__all__ = ["EagleProposer"]
+__all__ = ["EagleProposer", "CATCH_UP_FUSED_ROWS"]
+
+#: A catch-up (the tokens accepted since the drafter last read, or a prompt) of more rows than
+#: this (batch rows x tokens) runs through PyTorch computing only the earlier columns' keys and
+#: values and the last column in full; the fused layer computes every column in full. Session 37,
+#: EPYC, `bench/catch_up.py` (ms, fused vs keys-and-values PyTorch): 4 rows 0.80 / 0.83, 6 rows
+#: 1.12 / 0.87, 16 rows 1.85 / 1.23, 64 rows 4.53 / 2.33; batch 4 x 3 tokens 1.70 / 1.48.
+CATCH_UP_FUSED_ROWS = 4
 
 
 class EagleProposer(NodeDrafter):
@@ -90,19 +97,23 @@ class EagleProposer(NodeDrafter):
     def _run(self, ids: Tensor, hidden: Tensor, positions: Tensor, parent_slots: Tensor,
              valid: Tensor | None = None, *, last: bool = False) -> tuple[Tensor, Tensor]:
         """The drafter over [B, n] new tokens: (logits [B, n, Vd], or [B, 1, Vd] of the last column
-        with `last`; hidden_out [B, n, H]). Up to MAX_ROWS rows in all go through the fused layer in
-        one call; more (a catch-up over a prompt, or over the steps a hybrid did not draft) through
-        PyTorch's forward, whose GEMMs beat the fused layer in 64-row chunks there (Xeon, session 31,
-        `bench/catch_up.py`: 85 tokens 5.0 vs 6.4 ms at batch 1, 10.1 vs 19.9 ms at batch 4)."""
+        with `last`; hidden_out [B, n, H], of which a caller with `last` reads the last column only).
+        Up to MAX_ROWS rows in all go through the fused layer in one call; more (a catch-up over a
+        prompt, or over the steps a hybrid did not draft) through PyTorch's forward, whose GEMMs
+        beat the fused layer in 64-row chunks there (Xeon, session 31, `bench/catch_up.py`: 85
+        tokens 5.0 vs 6.4 ms at batch 1, 10.1 vs 19.9 ms at batch 4). A catch-up (`last`) of more
+        than CATCH_UP_FUSED_ROWS rows goes through PyTorch, which then computes only the keys and
+        values of the earlier columns (`EagleDrafter.forward(last_only=True)`)."""
         layer = fused(self.drafter)  # one C++ call for the drafter's layer (decode/kernels/cpu_layers.py)
         B, n = ids.shape
-        if layer is not None and B * n <= MAX_ROWS and not torch.is_grad_enabled():
+        rows_fused = CATCH_UP_FUSED_ROWS if last else MAX_ROWS
+        if layer is not None and B * n <= rows_fused and not torch.is_grad_enabled():
             mask = self.kv.extend(positions, parent_slots, valid)  # fp32, what the fused layer adds
             h = layer.hidden_out(ids, hidden, positions, mask, self.kv.cache)
             return self.drafter.logits(h[:, -1:] if last else h), h
         mask = self.kv.extend(positions, parent_slots, valid, dtype=hidden.dtype)
         return self.drafter(ids, hidden, position_ids=positions, past_key_values=self.kv.cache,
-                            attention_mask=mask, last_logits=last)
+                            attention_mask=mask, last_logits=last, last_only=last)
 
     def _begin(self, state, capacity: int) -> tuple[Tensor, int]:
         B, device = len(state.tokens), state.root.device

@@ -185,8 +185,8 @@ def test_a_catch_up_longer_than_the_kernels_rows_runs_through_pytorch_with_the_l
                                                                                             monkeypatch):
     """A catch-up over more tokens than the fused layer takes in one call (a prompt, or the steps a
     hybrid drafted with n-gram) goes through PyTorch's forward (faster there than the fused layer in
-    chunks, bench/catch_up.py) with the last position's logits only; the next draft step, fused, over
-    that cache agrees with PyTorch's."""
+    chunks, bench/catch_up.py) with the last position's logits and feature only; the next draft step,
+    fused, over that cache agrees with PyTorch's."""
     target, proposer = _bf16_llama_with_eagle3(tmp_path, backend)
     try:
         layer = cpu_layers.fused(proposer.drafter)
@@ -205,7 +205,7 @@ def test_a_catch_up_longer_than_the_kernels_rows_runs_through_pytorch_with_the_l
                 tok = torch.randint(3, 257, (B, 2), generator=gen)
                 l2, h2 = proposer._run(tok, h1[:, -1:].expand(B, 2, H).contiguous(), pos[:, -1:] + 1 + torch.arange(2),
                                        torch.tensor([[-1, 0]] * B))
-                return l1, h1[valid], l2, h2
+                return l1, h1[:, -1], l2, h2
 
         got = run(True)
         assert [tuple(c) for c in calls] == [(B, 2)]  # only the draft step ran fused

@@ -109,6 +109,40 @@ def test_eagle_drafter_folder_loads(tmp_path):
 
 
 # ---- EAGLE: lossless for any weights -------------------------------------------------------------
+@pytest.mark.parametrize("method", ["eagle3", "eagle1"])
+def test_a_catch_up_computing_only_the_last_position_writes_the_same_cache(method):
+    """`last_only` (what a catch-up over many tokens runs): the earlier positions only write keys
+    and values, yet the last position's logits and feature, the cache, and the next draft step over
+    it equal the full forward's."""
+    from drafttrain.decode.kv import KVState
+
+    model = target("llama")
+    drafter = eagle(model, method)
+    H, B, T = drafter.cfg.hidden_size, 2, 11
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randint(3, 257, (B, T), generator=gen)
+    feats = torch.randn(B, T, H, generator=gen)
+    pos = torch.arange(T).expand(B, T)
+    parents = torch.arange(-1, T - 1).expand(B, T)
+    runs = []
+    with torch.inference_mode():
+        for last_only in (False, True):
+            kv = KVState(B, torch.device("cpu"))
+            mask = kv.extend(pos, parents, dtype=feats.dtype)
+            logits, h = drafter(ids, feats, position_ids=pos, past_key_values=kv.cache, attention_mask=mask,
+                                last_logits=True, last_only=last_only)
+            kv.commit(torch.arange(T).expand(B, T))
+            keys = kv.cache.layers[0].keys.clone()
+            nxt = torch.randint(3, 257, (B, 1), generator=torch.Generator().manual_seed(5))
+            mask = kv.extend(pos[:, -1:] + 1, torch.full((B, 1), -1), dtype=feats.dtype)
+            l2, _ = drafter(nxt, h[:, -1:], position_ids=pos[:, -1:] + 1, past_key_values=kv.cache, attention_mask=mask)
+            runs.append((logits, h[:, -1], keys, l2))
+    full, last = runs
+    assert last[1].shape == (B, H) and full[0].shape == last[0].shape == (B, 1, drafter.cfg.draft_vocab_size)
+    for f, g in zip(full, last):
+        torch.testing.assert_close(g, f, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3"])
 @pytest.mark.parametrize("method,vocab", [("eagle3", 100), ("eagle1", None)])
 @pytest.mark.parametrize("tree", [None, "dynamic", [(0,), (1,), (0, 0), (0, 1)]], ids=["chain", "dyn", "static"])
