@@ -266,14 +266,21 @@ class KVState:
         and itself among the valid ones (padding sees only itself); records the new ancestry."""
         B, n = parents.shape
         device = parents.device
-        anc_all = torch.zeros(B, Lp + n, Lp + n, dtype=torch.bool, device=device)  # ancestors-or-self
-        anc_all[:, :Lp, :Lp] = self._ancestor_tensor()
-        rows = torch.arange(B, device=device)
-        for j in range(n):
-            p = parents[:, j]  # [B]
-            inherited = anc_all[rows, p.clamp(min=0)] & (p >= 0)[:, None]  # [B, Lp + n]
-            inherited[:, Lp + j] = True
-            anc_all[:, Lp + j] = inherited
+        col = torch.arange(n, device=device)
+        if Lp == 0 and bool(((parents == col - 1) | (parents < 0)).all()):
+            # chains only (a prefill, a catch-up; -1 starts a chain): token j's ancestors-or-self are
+            # j and the tokens back to its chain's start, no loop over the n tokens
+            start = torch.where(parents < 0, col, 0).cummax(1).values  # [B, n] where j's chain starts
+            anc_all = (col[None, None, :] <= col[None, :, None]) & (col[None, None, :] >= start[:, :, None])
+        else:
+            anc_all = torch.zeros(B, Lp + n, Lp + n, dtype=torch.bool, device=device)  # ancestors-or-self
+            anc_all[:, :Lp, :Lp] = self._ancestor_tensor()
+            rows = torch.arange(B, device=device)
+            for j in range(n):
+                p = parents[:, j]  # [B]
+                inherited = anc_all[rows, p.clamp(min=0)] & (p >= 0)[:, None]  # [B, Lp + n]
+                inherited[:, Lp + j] = True
+                anc_all[:, Lp + j] = inherited
         self._anc, self._anc_bits = anc_all, None
         anc_new = anc_all[:, Lp:]  # [B, n, Lp + n]
         self_only = torch.zeros_like(anc_new)

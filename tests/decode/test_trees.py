@@ -160,6 +160,36 @@ def test_self_drafting_static_tree_accepts_the_top1_branch(tree, tau):
 
 
 
+def test_chain_masks_built_without_the_per_token_loop_equal_the_python_path():
+    """A prefill or catch-up feeds chains (each token extends the one before, or starts a chain:
+    -1, or is padding: -2, left-padded rows as the EAGLE catch-up pads them). Its tensor path skips
+    the per-token loop; masks and commit equal the Python bitmask path's."""
+    import drafttrain.decode.kv as kv_module
+
+    small = kv_module._SMALL
+    valid = torch.tensor([[False, False, True, True, True, True], [True] * 6, [False, True, True, False, True, True]])
+    col = torch.arange(6).expand(3, 6)
+    parents = torch.where(valid & (col > 0) & valid.roll(1, 1), col - 1, -1)
+    parents[2, 3] = -2  # a padding entry inside a row: the next token starts after it
+
+    def run(python_path: bool) -> list[torch.Tensor]:
+        kv_module._SMALL = small if python_path else 0
+        kv = KVState(3, torch.device("cpu"))
+        kv.valid, kv.pos = torch.tensor([[True, True]] * 3), torch.tensor([[0, 1]] * 3)
+        mask = kv.extend(2 + col, parents, valid, dtype=torch.float32)
+        nxt = kv.extend(torch.full((3, 1), 8), torch.tensor([[5]] * 3), dtype=torch.float32)
+        kv.commit(torch.where(valid, col, -1))
+        return [mask, nxt, kv.valid, kv.pos]
+
+    try:
+        fast, python = run(False), run(True)
+    finally:
+        kv_module._SMALL = small
+    for a, b in zip(fast, python, strict=True):
+        assert torch.equal(a, b)
+    assert bool((fast[0][1, 0, 5] == 0).all())  # an unpadded row's last token sees everything
+
+
 @settings(max_examples=40, deadline=None)
 @given(st.integers(1, 3), st.lists(st.integers(1, 4), min_size=1, max_size=3), st.data())
 def test_mask_bookkeeping_in_python_equals_the_tensor_path(B, sizes, data):
