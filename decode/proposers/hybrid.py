@@ -166,7 +166,10 @@ class HybridProposer(Scheduler):
         tree is scored with the k-th part's calibrator."""
         scores = []
         for t, p, n in zip(trees, p_nodes, self.names):
-            if t.draft_probs is not None and t.size > 1:
+            if t.size == 1:  # root only: the part did not run (most steps of a skipped part)
+                scores.append(torch.zeros(t.tokens.shape[0], dtype=p.dtype, device=p.device))
+                continue
+            if t.draft_probs is not None:
                 depths = t.depths()
                 deep = self.calibrators[n].batch_prior(t.size, depths.shape[0])
                 deep = deep.to(p.device).gather(1, (depths - 1).clamp(min=0))
