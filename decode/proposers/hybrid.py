@@ -131,10 +131,22 @@ class HybridProposer(Scheduler):
         ran = [j for j, t in enumerate(drafts.trees) if t is not None]  # cheaper parts, drafted or skipped
         if not self._skippable() or not ran or self._skipped[i] >= self.explore_every:
             return True
-        B, active, spec = state.root.shape[0], state.active.cpu(), state.tree
+        B, spec = state.root.shape[0], state.tree
+        cal = self.calibrators[self.names[i]]
+        if B == 1 and spec is None and all(drafts.trees[j].draft_probs is None for j in ran):
+            # one row, chains: the same rule in Python floats (the tensors' per-op overhead was most
+            # of the rule's ~0.13 ms a step)
+            if not bool(state.active[0]):
+                return False
+            best1 = max(_row_score(drafts.trees[j], drafts.p_nodes[j]) for j in ran)
+            reach, exp1 = 1.0, 0.0
+            for q in cal.row_prior(length):
+                reach *= q
+                exp1 += reach
+            return self._pays(state, i, length, ran, drafts, 1 + best1, max(0.0, exp1 - best1), 1 + length)
+        active = state.active.cpu()
         best = self._scores(state, [drafts.trees[j] for j in ran], [drafts.p_nodes[j] for j in ran])
         best = best.max(0).values.cpu()  # [B]
-        cal = self.calibrators[self.names[i]]
         if spec is None:
             prior, size = cal.batch_prior(length, B), 1 + length
         else:
@@ -142,6 +154,13 @@ class HybridProposer(Scheduler):
         exp = expected_tokens(prior)[:, -1] - 1  # [B] expected accepted drafts
         gain = float((exp - best).clamp(min=0)[active].sum())
         tokens = float(active.sum()) + float(best[active].sum())
+        return self._pays(state, i, length, ran, drafts, tokens, gain, size)
+
+    def _pays(self, state: DecodeState, i: int, length: int, ran: list[int], drafts: Drafts, tokens: float,
+              gain: float, size: int) -> bool:
+        """Whether `gain` expected tokens over the step's `tokens` repay part i's drafting ms and any
+        wider verification (a tree of `size` nodes) in tokens per modelled ms."""
+        B = state.root.shape[0]
         width = max(drafts.trees[j].size for j in ran)
         sunk = sum(drafts.draft_ms)
         cm = self._costs(state)
@@ -164,6 +183,8 @@ class HybridProposer(Scheduler):
         """[P, B] expected accepted length of each tree, from information known before its first
         draft was drawn (sampled trees: first node's estimate, then per-depth priors). The k-th
         tree is scored with the k-th part's calibrator."""
+        if trees and trees[0].tokens.shape[0] == 1 and all(t.draft_probs is None for t in trees):
+            return torch.tensor([[_row_score(t, p)] for t, p in zip(trees, p_nodes)])  # one row: Python floats
         scores = []
         for t, p, n in zip(trees, p_nodes, self.names):
             if t.size == 1:  # root only: the part did not run (most steps of a skipped part)
@@ -238,6 +259,19 @@ def _unwrap(parts: list[Proposer], cost_model: CostModel | None,
     if calibrator is None and own:
         calibrator = {n: own[id(p)] for n, p in zip(part_names(inner), inner) if id(p) in own}
     return inner, cost_model, calibrator
+
+
+def _row_score(tree: DraftTree, p_node: Tensor) -> float:
+    """A one-row deterministic tree's expected accepted length: the sum over its nodes of the
+    product of `p_node` along the path from the root (what `_scores` computes with tensors)."""
+    if tree.size == 1:
+        return 0.0
+    p, par = p_node[0].tolist(), tree.parents[0].tolist()
+    prod, total = [1.0] * len(p), 0.0
+    for j in range(1, len(p)):
+        prod[j] = prod[par[j]] * p[j] if par[j] >= 0 else 0.0
+        total += prod[j]
+    return total
 
 
 def _is_chain(tree: DraftTree) -> bool:

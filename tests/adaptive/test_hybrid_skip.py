@@ -118,3 +118,29 @@ def test_skipped_eagle_drafts_as_if_fresh():
     assert len(seen) == s.parts_run["eagle"]
     for prefix, chain in seen:
         assert chain == _fresh_proposal(lambda: EagleProposer(eagle_drafter()), prefix, 3)
+
+
+def test_one_row_scores_in_python_equal_the_tensor_path():
+    """At batch 1 the skip rule and the choice score deterministic trees in Python floats; the
+    scores equal the tensor path's (a tree with a branch and padding, a chain, a root-only tree)."""
+    from types import SimpleNamespace
+
+    from drafttrain.decode.tree import DraftTree
+
+    g = torch.Generator().manual_seed(2)
+    parents = [[-1, 0, 1, 0, 3, -2], [-1, 0, 1, 2, -2, -2], [-1, -2, -2, -2, -2, -2]]
+    trees = [DraftTree(torch.randint(3, 16, (1, 6), generator=g), torch.tensor([par]), None, None) for par in parents]
+    p_nodes = [torch.rand(1, 6, generator=g) for _ in parents]
+    trees[2] = DraftTree(trees[2].tokens[:, :1], trees[2].parents[:, :1], None, None)  # root only
+    p_nodes[2] = p_nodes[2][:, :1]
+    hybrid = SimpleNamespace(names=["a", "b", "c"], calibrators={})
+    one = HybridProposer._scores(hybrid, None, trees, p_nodes)  # [3, 1], the Python path
+
+    def two_rows(t: DraftTree) -> DraftTree:
+        return DraftTree(t.tokens.expand(2, -1), t.parents.expand(2, -1), None, None)
+
+    both = HybridProposer._scores(hybrid, None, [two_rows(t) for t in trees], [p.expand(2, -1) for p in p_nodes])
+    assert one.shape == (3, 1) and torch.allclose(one[:, 0], both[:, 0]) and torch.equal(both[:, 0], both[:, 1])
+    p = p_nodes[0][0]
+    want = p[1] + p[1] * p[2] + p[3] + p[3] * p[4]  # paths 0-1, 0-1-2, 0-3, 0-3-4; padding counts 0
+    assert abs(float(one[0, 0]) - float(want)) < 1e-6 and float(one[2, 0]) == 0.0
