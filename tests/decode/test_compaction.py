@@ -9,10 +9,12 @@ max_new_tokens. Tiny llama target (hidden 64, 4 layers, vocab 257) built in code
 from __future__ import annotations
 
 import functools
+from unittest import mock
 
 import pytest
 import torch
 
+import drafttrain.decode.engine as engine
 from drafttrain.decode import AdaptiveProposer, CostModel, HybridProposer, speculative_generate
 from drafttrain.decode.proposers import (
     DraftLMProposer,
@@ -85,20 +87,35 @@ def eos_ids() -> tuple[int, ...]:
 
 
 class BatchSizes:
-    """Records the batch size of every forward of the target's decoder."""
+    """Records the batch size of every decode-step forward of the target's decoder (not the
+    prefill's, which may run row by row: engine.PREFILL_PADDING_SHARE)."""
 
     def __init__(self, model):
         self.sizes: list[int] = []
+        self.in_prefill = False
         body = model.get_decoder()
         self.handle = body.register_forward_pre_hook(self, with_kwargs=True)
+        real = engine.prefill
+
+        def prefill(*args, **kwargs):
+            self.in_prefill = True
+            try:
+                return real(*args, **kwargs)
+            finally:
+                self.in_prefill = False
+
+        self.patch = mock.patch.object(engine, "prefill", prefill)
 
     def __call__(self, module, args, kwargs):
-        self.sizes.append(kwargs["input_ids"].shape[0])
+        if not self.in_prefill:
+            self.sizes.append(kwargs["input_ids"].shape[0])
 
     def __enter__(self):
+        self.patch.start()
         return self
 
     def __exit__(self, *exc):
+        self.patch.stop()
         self.handle.remove()
 
 

@@ -137,6 +137,48 @@ def test_batch_rows_with_different_lengths_and_stops(family):
         assert out.stats.per_row_tokens == [len(s) for s in out.sequences]
 
 
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_prompts_of_very_different_lengths_prefill_row_by_row_and_stay_lossless(family, monkeypatch):
+    """A batch whose padding would be most of its prefill is prefilled one row at a time into the
+    left-padded cache: the same greedy text as each prompt alone, and the same cache bookkeeping,
+    hidden states and next-step output as the batched prefill (an EAGLE drafter reads the hidden
+    states; ngram drafts so rows accept different lengths)."""
+    import drafttrain.decode.engine as engine
+
+    model = target(family)
+    prompts = [prompt(40, 70), prompt(41, 180), prompt(42, 95)]  # ~36% of the padded batch is padding
+    refs = [reference(model, p, MAX_NEW) for p in prompts]
+    ids, mask = left_pad(prompts)
+    calls = []
+    real = engine._prefill_rows
+    monkeypatch.setattr(engine, "_prefill_rows", lambda *a: calls.append(1) or real(*a))
+    out = speculative_generate(model, load_proposer("ngram", model), ids, attention_mask=mask,
+                               max_new_tokens=MAX_NEW, eos_token_id=[], gamma=3)
+    assert calls and out.sequences == refs
+
+    seen = {}
+
+    def prefill_of(share: float):
+        monkeypatch.setattr(engine, "PREFILL_PADDING_SHARE", share)
+        state = engine.DecodeState(target=model, kv=engine.KVState.for_model(model, 3, ids.device),
+                                   tokens=[p.tolist() for p in prompts], root=ids[:, -1].clone(),
+                                   root_pos=torch.tensor([len(p) - 1 for p in prompts]),
+                                   active=torch.ones(3, dtype=torch.bool), temperature=0.0)
+        probe = type("Probe", (), {"needs_hidden_states": (1, 2), "prefill": lambda self, st, h: seen.update({share: h})})()
+        engine.prefill(state, ids, mask, probe, engine.DecodeStats(per_row_tokens=[0] * 3, per_row_forwards=[0] * 3))
+        nxt, _ = engine.target_forward(model, state.kv, ids[:, -1:], state.root_pos[:, None], torch.tensor([[-1]] * 3))
+        return state.kv, nxt
+
+    rows_kv, rows_next = prefill_of(0.0)  # padding share > 0: row by row
+    batch_kv, batch_next = prefill_of(1.0)  # never row by row
+    assert torch.equal(rows_kv.valid, batch_kv.valid) and torch.equal(rows_kv.pos, batch_kv.pos)
+    valid = mask[:, :-1].bool()
+    for i in (1, 2):
+        torch.testing.assert_close(seen[0.0][i][valid], seen[1.0][i][valid], atol=1e-4, rtol=1e-4)
+        assert not seen[0.0][i][~valid].any()
+    torch.testing.assert_close(rows_next, batch_next, atol=1e-4, rtol=1e-4)
+
+
 @settings(max_examples=15, deadline=None)
 @given(seed=st.integers(0, 10_000), gamma=st.integers(1, 5), length=st.integers(1, 20),
        family=st.sampled_from(["llama", "qwen3", "gemma3"]),
