@@ -2,6 +2,7 @@
 
     python bench/linear_kernels.py                      # Gemma 3 270M shapes, rows 1 2 4 6 8 12 16
     python bench/linear_kernels.py --rows 1,6 --reps 15 --backends avx512
+    python bench/linear_kernels.py --rows 1,2,4,8 --backends avx512,avx512-tiles   # session 38
 
 For each row count (tokens fed to one decode step: 1 for target-only decoding, γ + 1 for a chain
 verify) it times every layer matmul of the model's shapes back to back (random bf16 weights, 18
@@ -9,6 +10,11 @@ layers by default: 200 MB, larger than the caches, so each pass reads memory) an
 through each kernel this CPU runs and through `F.linear`. The variants are interleaved rep by rep,
 so a change in the machine's speed (shared VMs drift by 2× within minutes) hits them all alike;
 medians are printed, with the bandwidth limit the weights' bytes give at the measured read speed.
+
+`avx512-tiles` / `amx-tiles` are those kernels with their one-weight-row stream switched off
+(`set_stream_rows(0)`): every row count on the four- / two-weight-row tiles, as before session 38.
+Session 38 (AMD EPYC Zen 4, 2 threads, 34 GB/s, `--rows 1,2,4,6,8 --reps 5`), layers + LM head,
+ms, tiles -> stream: see cpu_linear's docstring.
 
 Deliberately not here: the framework around the matmuls (`bench/decode_profile.py` times whole
 steps), correctness (tests/decode/test_cpu_linear.py).
@@ -52,6 +58,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     backends = [b for b in args.backends.split(",") if b] or [k for k in cpu_linear.KERNELS if cpu_linear.available(k)]
     for b in backends:
+        b = b.removesuffix("-tiles") if b != "avx2-tiles" else b
         if b not in cpu_linear.KERNELS or not cpu_linear.available(b):
             raise SystemExit(f"linear_kernels: backend {b!r} cannot run on this CPU; choose from "
                              f"{[k for k in cpu_linear.KERNELS if cpu_linear.available(k)]}")
@@ -71,7 +78,7 @@ def main(argv=None) -> int:
     for m in (int(r) for r in args.rows.split(",")):
         xs = [torch.randn(m, w.shape[1], dtype=torch.bfloat16) for w in layers]
         xh = torch.randn(m, h, dtype=torch.bfloat16)
-        fns = {"aten": F.linear, **{b: (lambda x, w, b=b: cpu_linear.bf16_linear(x, w, backend=b)) for b in backends}}
+        fns = {"aten": F.linear, **{b: _kernel_fn(b) for b in backends}}
         times = {n: ([], []) for n in names}
         for _ in range(args.reps + 1):  # the first rep warms up and is dropped
             for n in names:
@@ -86,6 +93,22 @@ def main(argv=None) -> int:
         cells = [f"{1e3 * statistics.median(a[1:]):.1f} | {1e3 * statistics.median(b[1:]):.1f}" for a, b in times.values()]
         print(f"| {m} | " + " | ".join(cells) + " |", flush=True)
     return 0
+
+
+def _kernel_fn(name: str):
+    """x, w -> the kernel's product; `<backend>-tiles`: with the weight-row stream switched off."""
+    if not name.endswith("-tiles"):
+        return lambda x, w: cpu_linear.bf16_linear(x, w, backend=name)
+    backend = name.removesuffix("-tiles")
+    ext = cpu_linear.KERNELS[backend].load()
+
+    def tiles(x, w):
+        old = ext.set_stream_rows(0)
+        try:
+            return cpu_linear.bf16_linear(x, w, backend=backend)
+        finally:
+            ext.set_stream_rows(old)
+    return tiles
 
 
 if __name__ == "__main__":

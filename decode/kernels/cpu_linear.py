@@ -46,8 +46,15 @@ holds), each compiled once per machine by `torch.utils.cpp_extension` into its c
   prefetch is most of it: without it the kernel's time was memory time plus compute time.
   It also fuses the greedy head (`head_argmax`): argmax ids of the bf16 logits without writing
   them, which saves the [rows, 262144] argmax (1.7 ms for 1 row, 5 ms for 6).
+  Since session 38 it reads ONE weight row at a time for 1 … 16 rows of x (`stream_row`, the AVX2
+  kernel's `row_tile` order: each thread's share of the weights is one sequential stream, the row
+  four ahead prefetched; 8 / 4 / 2 / 1 independent sums per row of x for 1 / 2 / 3-8 / 9-16 rows).
+  On session 35-38's AMD EPYC (Zen 4, 2 threads) the four-row tiles reached about half the memory
+  speed whatever the rows, and the AVX2 kernel beat them by 5-7 ms a step for 1-4 rows; the
+  stream took 9-16 rows from PyTorch's matmul (compute-bound there). `bench/linear_kernels.py
+  --backends avx512,avx512-tiles` times both (the tiles stay behind `set_stream_rows(0)`).
 - ``amx``: AMX bf16 tiles (``tdpbf16ps``, 16 rows × 16 outputs × 32 weights per instruction) for
-  2 … 16 rows where K and O are multiples of 32 (3 … 16 before session 27); 1 row and other shapes use the AVX-512 tiles
+  2 … 16 rows where K and O are multiples of 32 (3 … 16 before session 27); 1 row and other shapes use the AVX-512 path
   above. Linux grants tile state per process (``arch_prctl``), asked for once. `auto` prefers it
   where granted: session 14 (same machine, 15.5 GB/s) measured the layers / LM head at 23.7 / 24.3
   ms for 8 rows and 24.9 / 30.5 for 16 (AVX-512 35.8 / 42.9 and 59.7 / 87.9; PyTorch 36.2 / 45.6).
@@ -66,7 +73,7 @@ by bf16 rounding at most (``vdpbf16ps`` also treats bf16 subnormal inputs as zer
 exact sums and that decoding a bf16 target through each kernel gives what PyTorch's matmul gives.
 Float32 models are never touched (greedy output in float32 equals the target's own exactly).
 
-Deliberately not here: backward (inference only), more than 8 / 16 rows under avx512 / amx
+Deliberately not here: backward (inference only), more than 16 rows under avx512 / amx
 (PyTorch's AMX / AVX-512 matmul, compute-bound there and faster), quantised weights, GPUs.
 """
 
@@ -210,7 +217,7 @@ KERNELS = {
     "avx512": _Kernel("avx512", _src.NORM_SOURCE + _src.AVX512_SOURCE + _src.Q7_SOURCE + _avx2_src.AVX2_HELPERS + _src.avx512_layer_linear(False)
                       + _layer_src.LAYER_SOURCE + _src.AVX512_BINDINGS + _layer_src.LAYER_BINDINGS + "}\n",
                       {"avx512f", "avx512bw", "avx512_bf16", "avx2", "fma"},
-                      ["-mavx512f", "-mavx512bw", "-mavx512bf16", "-mavx2", "-mfma"], (1, 8)),
+                      ["-mavx512f", "-mavx512bw", "-mavx512bf16", "-mavx2", "-mfma"], (1, 16)),
     "amx": _Kernel("amx", _src.NORM_SOURCE + _src.AVX512_SOURCE + _src.Q7_SOURCE + _src.AMX_SOURCE + _avx2_src.AVX2_HELPERS
                    + _src.avx512_layer_linear(True) + _layer_src.LAYER_SOURCE + _src.AVX512_BINDINGS + _src.AMX_BINDINGS
                    + _layer_src.LAYER_BINDINGS + "}\n",

@@ -1,7 +1,8 @@
 """C++ sources of the bf16 decode-step linear kernels that `cpu_linear` compiles on first use.
 
-Kept apart from the loader so each file reads on its own: ``NORM_SOURCE`` (RMS norms of bf16 rows, compiled into every kernel), ``AVX512_SOURCE`` (``vdpbf16ps`` tiles of four or two weight rows with a software prefetch, and the
-fused greedy head argmax), ``AVX512_BINDINGS`` (its Python bindings) and ``AMX_SOURCE`` (tile kernels
+Kept apart from the loader so each file reads on its own: ``NORM_SOURCE`` (RMS norms of bf16 rows, compiled into every kernel), ``AVX512_SOURCE`` (``vdpbf16ps`` over one weight row at a time for 1-16 rows of x, the older tiles
+of four or two weight rows with a software prefetch behind `set_stream_rows(0)`, and the fused greedy
+head argmax), ``AVX512_BINDINGS`` (its Python bindings) and ``AMX_SOURCE`` (tile kernels
 for 3-16 rows, appended to the AVX-512 source so small shapes fall back to its tiles). Every kernel
 sums exact bf16 products in fp32; `cpu_linear`'s docstring gives the numbers and the routing.
 The AVX2 kernel's source is in `cpu_linear_avx2_src`.
@@ -75,6 +76,7 @@ AVX512_SOURCE = r"""
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 // y[m * ys + r] = sum_k x[m, k] * w[o + r, k] for r < R and all MT rows of x, in one pass over the
@@ -117,18 +119,70 @@ template <int MT>
 constexpr int64_t tile_rows() { return MT <= 4 ? 4 : 2; }
 constexpr int64_t kPrefetchRows = 8;
 
+// Rows of x against ONE weight row o, read front to back as one sequential stream per thread (the
+// row four ahead prefetched a line at a time), A independent sums per row of x: y[m * ys] for m < MT.
+// Zen 4 (session 38, `bench/linear_kernels.py`): the four-row tiles above read four streams at once
+// and reached ~half the memory speed for 1-8 rows; this is the AVX2 kernel's `row_tile` order.
+template <int MT, int A, typename T>
+static inline void stream_row(const uint16_t* x, const uint16_t* w, T* y, int64_t K, int64_t ys, int64_t o,
+                              bool prefetch) {
+    __m512 acc[MT][A];
+    for (int m = 0; m < MT; ++m)
+        for (int a = 0; a < A; ++a) acc[m][a] = _mm512_setzero_ps();
+    const uint16_t* row = w + o * K;
+    const uint16_t* pf = row + 4 * K;
+    int64_t k = 0;
+    for (; k + 32 * A <= K; k += 32 * A) {
+        if (prefetch)
+            for (int a = 0; a < A; ++a) _mm_prefetch(reinterpret_cast<const char*>(pf + k + 32 * a), _MM_HINT_T0);
+        for (int a = 0; a < A; ++a) {
+            const __m512bh wv = (__m512bh)_mm512_loadu_si512(row + k + 32 * a);
+            for (int m = 0; m < MT; ++m)
+                acc[m][a] = _mm512_dpbf16_ps(acc[m][a], wv, (__m512bh)_mm512_loadu_si512(x + m * K + k + 32 * a));
+        }
+    }
+    for (; k < K; k += 32) {  // the rest, 32 at a time, the last masked
+        const __mmask32 mask = (K - k >= 32) ? (__mmask32)0xFFFFFFFFu : (__mmask32)((1u << (K - k)) - 1u);
+        if (prefetch) _mm_prefetch(reinterpret_cast<const char*>(pf + k), _MM_HINT_T0);
+        const __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(mask, row + k);
+        for (int m = 0; m < MT; ++m)
+            acc[m][0] = _mm512_dpbf16_ps(acc[m][0], wv, (__m512bh)_mm512_maskz_loadu_epi16(mask, x + m * K + k));
+    }
+    for (int m = 0; m < MT; ++m) {
+        __m512 v = acc[m][0];
+        for (int a = 1; a < A; ++a) v = _mm512_add_ps(v, acc[m][a]);
+        put(y + m * ys, _mm512_reduce_add_ps(v));
+    }
+}
+
+// Sums per row of x in `stream_row`: four for one or two rows, two up to four, one beyond (MT x A
+// accumulators stay in the 32 registers). Rows up to `g_stream_rows` take it (`set_stream_rows`).
+template <int MT>
+constexpr int stream_sums() { return MT == 1 ? 8 : MT == 2 ? 4 : MT <= 8 ? 2 : 1; }
+constexpr int kMaxRows = 16;  // rows of x in one pass over the weights (more: passes of 16)
+static int64_t g_stream_rows = kMaxRows;
+
 template <int MT, typename T>
 static void rows(const uint16_t* x, const uint16_t* w, T* y, int64_t K, int64_t O) {
-    constexpr int64_t R = tile_rows<MT>();
-    const int64_t tiles = O / R;
-    at::parallel_for(0, tiles, 16, [&](int64_t begin, int64_t end) {
-        for (int64_t p = begin; p < end; ++p) {
-            const int64_t o = R * p;
-            const bool ahead = o + kPrefetchRows + R <= O;
-            tile<R, MT>(x, w, y + o, K, O, o, ahead ? w + (o + kPrefetchRows) * K : nullptr);
+    if constexpr (MT <= 8) {  // the tiles (1-8 rows), when the stream is switched off for MT rows
+        if (MT > g_stream_rows) {
+            constexpr int64_t R = tile_rows<MT>();
+            const int64_t tiles = O / R;
+            at::parallel_for(0, tiles, 16, [&](int64_t begin, int64_t end) {
+                for (int64_t p = begin; p < end; ++p) {
+                    const int64_t o = R * p;
+                    const bool ahead = o + kPrefetchRows + R <= O;
+                    tile<R, MT>(x, w, y + o, K, O, o, ahead ? w + (o + kPrefetchRows) * K : nullptr);
+                }
+            });
+            for (int64_t o = R * tiles; o < O; ++o) tile<1, MT>(x, w, y + o, K, O, o, nullptr);
+            return;
         }
+    }
+    at::parallel_for(0, O, 128, [&](int64_t begin, int64_t end) {
+        for (int64_t o = begin; o < end; ++o)
+            stream_row<MT, stream_sums<MT>()>(x, w, y + o, K, O, o, o + 4 < end);
     });
-    for (int64_t o = R * tiles; o < O; ++o) tile<1, MT>(x, w, y + o, K, O, o, nullptr);
 }
 
 // fp32 -> bf16 -> fp32, rounding to nearest even: the value PyTorch's bf16 logits hold
@@ -157,6 +211,16 @@ static void rows_argmax(const uint16_t* x, const uint16_t* w, int64_t* out, int6
             int64_t arg[MT];
             for (int m = 0; m < MT; ++m) best[m] = -INFINITY, arg[m] = o0;
             int64_t o = o0;
+            if (MT > 8 || MT <= g_stream_rows) {
+                for (; o < o1; ++o) {
+                    stream_row<MT, stream_sums<MT>()>(x, w, y, K, 1, o, o + 4 < O);
+                    for (int m = 0; m < MT; ++m) {
+                        const float v = round_bf16(y[m]);
+                        if (v > best[m]) best[m] = v, arg[m] = o;
+                    }
+                }
+            }
+            if constexpr (MT <= 8)
             for (; o + R <= o1; o += R) {
                 const bool ahead = o + kPrefetchRows + R <= O;
                 tile<R, MT>(x, w, y, K, R, o, ahead ? w + (o + kPrefetchRows) * K : nullptr);
@@ -166,6 +230,7 @@ static void rows_argmax(const uint16_t* x, const uint16_t* w, int64_t* out, int6
                         if (v > best[m]) best[m] = v, arg[m] = o + r;
                     }
             }
+            if constexpr (MT <= 8)
             for (; o < o1; ++o) {
                 tile<1, MT>(x, w, y, K, 1, o, nullptr);
                 for (int m = 0; m < MT; ++m) {
@@ -185,22 +250,35 @@ static void rows_argmax(const uint16_t* x, const uint16_t* w, int64_t* out, int6
     }
 }
 
+// f(std::integral_constant<int, n>{}) for n in 1 .. kMaxRows: the row count as a template argument
+template <typename F>
+static void by_rows(int64_t n, F&& f) {
+    switch (n) {
+        case 1: f(std::integral_constant<int, 1>{}); break;
+        case 2: f(std::integral_constant<int, 2>{}); break;
+        case 3: f(std::integral_constant<int, 3>{}); break;
+        case 4: f(std::integral_constant<int, 4>{}); break;
+        case 5: f(std::integral_constant<int, 5>{}); break;
+        case 6: f(std::integral_constant<int, 6>{}); break;
+        case 7: f(std::integral_constant<int, 7>{}); break;
+        case 8: f(std::integral_constant<int, 8>{}); break;
+        case 9: f(std::integral_constant<int, 9>{}); break;
+        case 10: f(std::integral_constant<int, 10>{}); break;
+        case 11: f(std::integral_constant<int, 11>{}); break;
+        case 12: f(std::integral_constant<int, 12>{}); break;
+        case 13: f(std::integral_constant<int, 13>{}); break;
+        case 14: f(std::integral_constant<int, 14>{}); break;
+        case 15: f(std::integral_constant<int, 15>{}); break;
+        default: f(std::integral_constant<int, 16>{}); break;
+    }
+}
+
 template <typename T>
 static void passes(const uint16_t* xp, const uint16_t* wp, T* yp, int64_t M, int64_t K, int64_t O) {
-    for (int64_t m0 = 0; m0 < M; m0 += 8) {  // passes of up to 8 rows (more rows work, slowly)
-        const uint16_t* xm = xp + m0 * K;
-        T* ym = yp + m0 * O;
-        switch (M - m0 < 8 ? M - m0 : 8) {
-            case 1: rows<1>(xm, wp, ym, K, O); break;
-            case 2: rows<2>(xm, wp, ym, K, O); break;
-            case 3: rows<3>(xm, wp, ym, K, O); break;
-            case 4: rows<4>(xm, wp, ym, K, O); break;
-            case 5: rows<5>(xm, wp, ym, K, O); break;
-            case 6: rows<6>(xm, wp, ym, K, O); break;
-            case 7: rows<7>(xm, wp, ym, K, O); break;
-            default: rows<8>(xm, wp, ym, K, O); break;
-        }
-    }
+    for (int64_t m0 = 0; m0 < M; m0 += kMaxRows)  // passes of up to 16 rows (more rows work, slowly)
+        by_rows(std::min<int64_t>(kMaxRows, M - m0), [&](auto mt) {
+            rows<decltype(mt)::value>(xp + m0 * K, wp, yp + m0 * O, K, O);
+        });
 }
 
 torch::Tensor bf16_linear_bf16x(torch::Tensor x, torch::Tensor w) {
@@ -240,19 +318,10 @@ torch::Tensor bf16_linear_argmax(torch::Tensor x, torch::Tensor w) {
     const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
     const uint16_t* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
     int64_t* op = out.data_ptr<int64_t>();
-    for (int64_t m0 = 0; m0 < M; m0 += 8) {
-        const uint16_t* xm = xp + m0 * K;
-        switch (M - m0 < 8 ? M - m0 : 8) {
-            case 1: rows_argmax<1>(xm, wp, op + m0, K, O); break;
-            case 2: rows_argmax<2>(xm, wp, op + m0, K, O); break;
-            case 3: rows_argmax<3>(xm, wp, op + m0, K, O); break;
-            case 4: rows_argmax<4>(xm, wp, op + m0, K, O); break;
-            case 5: rows_argmax<5>(xm, wp, op + m0, K, O); break;
-            case 6: rows_argmax<6>(xm, wp, op + m0, K, O); break;
-            case 7: rows_argmax<7>(xm, wp, op + m0, K, O); break;
-            default: rows_argmax<8>(xm, wp, op + m0, K, O); break;
-        }
-    }
+    for (int64_t m0 = 0; m0 < M; m0 += kMaxRows)
+        by_rows(std::min<int64_t>(kMaxRows, M - m0), [&](auto mt) {
+            rows_argmax<decltype(mt)::value>(xp + m0 * K, wp, op + m0, K, O);
+        });
     return out;
 }
 
@@ -358,6 +427,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("rms_norm", &rms_norm, "RMS norm of bf16 rows [M, D] with an fp32 scale [D] -> bf16 [M, D]");
     m.def("bf16_linear_bf16x", &bf16_linear_bf16x, "x bf16 [M, K] @ w bf16 [O, K]^T -> fp32 [M, O]");
     m.def("bf16_linear_bf16", &bf16_linear_bf16, "x bf16 [..., K] @ w bf16 [O, K]^T -> bf16 [..., O]");
+    m.def("set_stream_rows", [](int64_t n) { const int64_t old = g_stream_rows; g_stream_rows = n; return old; },
+          "inputs of up to n rows read one weight row at a time (0: the weight-row tiles for all); returns the old n");
     m.def("bf16_linear_argmax", &bf16_linear_argmax, "argmax_o bf16(x bf16 [M, K] @ w bf16 [O, K]^T) -> int64 [M]");
     m.def("q7_linear_bf16", &q7_linear_bf16, "x bf16 [..., K] (<= 8 rows) @ ((u uint8 [O, K] - 64) * s fp32 [O])^T -> bf16 [..., O]");
 """
@@ -521,7 +592,7 @@ def avx512_layer_linear(amx: bool) -> str:
     return f"""
 static torch::Tensor layer_linear(torch::Tensor x, torch::Tensor w, int64_t) {{
     const int64_t K = w.size(1), O = w.size(0), M = K ? x.numel() / K : 0;{amx_rows}
-    if (M <= {16 if amx else 8}) return bf16_linear_bf16(x, w);
+    if (M <= 16) return bf16_linear_bf16(x, w);
     return at::linear(x, w);
 }}
 """

@@ -8,6 +8,8 @@ AMX on Intel Xeons from Sapphire Rapids on).
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -21,12 +23,29 @@ from eval.runner import near_tie_tolerance
 pytestmark = pytest.mark.skipif(not cpu_linear.available("avx2"), reason="needs an x86 CPU with AVX2/FMA and g++")
 
 RUNNABLE = [k for k in cpu_linear.KERNELS if cpu_linear.available(k)]
+#: (backend, path): every kernel as installed, and the AVX-512 / AMX kernels with their one-weight-row
+#: stream switched off (their four- / two-weight-row tiles for 1-8 rows, as `bench/linear_kernels.py`
+#: times them against it)
+PATHS = [(k, "default") for k in RUNNABLE] + [(k, "tiles") for k in RUNNABLE if k in ("avx512", "amx")]
 
 
-@pytest.mark.parametrize("backend", RUNNABLE)
+@contextmanager
+def _path(backend: str, path: str):
+    if path != "tiles":
+        yield
+        return
+    ext = cpu_linear.KERNELS[backend].load()
+    old = ext.set_stream_rows(0)
+    try:
+        yield
+    finally:
+        ext.set_stream_rows(old)
+
+
+@pytest.mark.parametrize("backend, path", PATHS)
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 16, 70, 129])
 @pytest.mark.parametrize("k", [43, 70])
-def test_kernel_sums_exactly_what_a_float64_matmul_sums(backend, rows, k):
+def test_kernel_sums_exactly_what_a_float64_matmul_sums(backend, path, rows, k):
     # Integer-valued inputs: every product and partial sum is exact in fp32, so the kernel must
     # equal the float64 matmul bit for bit, whatever its summation order. O = 37 (not a multiple
     # of 2 or 4: lone last weight rows) and K = 43, 70 (the scalar / masked tails after 8- and
@@ -34,7 +53,8 @@ def test_kernel_sums_exactly_what_a_float64_matmul_sums(backend, rows, k):
     g = torch.Generator().manual_seed(rows * k)
     w = torch.randint(-3, 4, (37, k), generator=g).to(torch.bfloat16)
     x = torch.randint(-3, 4, (rows, k), generator=g).float()
-    y = cpu_linear.bf16_linear(x, w, backend=backend)
+    with _path(backend, path):
+        y = cpu_linear.bf16_linear(x, w, backend=backend)
     assert y.dtype == torch.float32 and y.shape == (rows, 37)
     assert torch.equal(y.double(), x.double() @ w.double().T)
 
@@ -224,10 +244,10 @@ def test_kernel_sums_exactly_on_tile_shaped_matrices(backend, rows):
     assert torch.equal(y.double(), x.double() @ w.double().T)
 
 
-@pytest.mark.parametrize("backend", RUNNABLE)
-@pytest.mark.parametrize("rows", [1, 3, 6, 8, 9, 16])
+@pytest.mark.parametrize("backend, path", PATHS)
+@pytest.mark.parametrize("rows", [1, 3, 6, 8, 9, 12, 16])
 @pytest.mark.parametrize("vocab", [9001, 8992])
-def test_fused_head_argmax_gives_the_ids_of_the_heads_own_bf16_logits(backend, rows, vocab):
+def test_fused_head_argmax_gives_the_ids_of_the_heads_own_bf16_logits(backend, path, rows, vocab):
     # Greedy verification reads argmax ids straight from the kernel (no [rows, V] logits). They
     # must be the ids of the head's own bf16 logits, lowest id on ties: integer weights make many
     # exact ties, and wide random values tie after bf16 rounding. V spans several of the kernels'
@@ -243,7 +263,7 @@ def test_fused_head_argmax_gives_the_ids_of_the_heads_own_bf16_logits(backend, r
     wide = torch.randn(rows, 64, generator=g).mul(40).to(torch.bfloat16)
     try:
         cpu_linear.install(head, backend)
-        with torch.inference_mode():
+        with torch.inference_mode(), _path(backend, path):
             got = {}
             for name, inp in (("ties", x), ("wide", wide)):
                 got[name] = cpu_linear.head_argmax(head, inp)
