@@ -48,7 +48,9 @@ holds), each compiled once per machine by `torch.utils.cpp_extension` into its c
   them, which saves the [rows, 262144] argmax (1.7 ms for 1 row, 5 ms for 6).
   Since session 38 it reads ONE weight row at a time for 1 … 16 rows of x (`stream_row`, the AVX2
   kernel's `row_tile` order: each thread's share of the weights is one sequential stream, the row
-  four ahead prefetched; 8 / 4 / 2 / 1 independent sums per row of x for 1 / 2 / 3-8 / 9-16 rows).
+  four ahead prefetched; two sums per row of x, so every row is summed in the same order whatever
+  the rows: a verification gives each token the bits a one-token step gives it; 9-16 rows as two
+  groups against the same weight row, read again from L1).
   On session 35-38's AMD EPYC (Zen 4, 2 threads) the four-row tiles reached about half the memory
   speed whatever the rows, and the AVX2 kernel beat them by 5-7 ms a step for 1-4 rows; the
   stream took 9-16 rows from PyTorch's matmul (compute-bound there). `bench/linear_kernels.py

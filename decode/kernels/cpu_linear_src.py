@@ -120,7 +120,8 @@ constexpr int64_t tile_rows() { return MT <= 4 ? 4 : 2; }
 constexpr int64_t kPrefetchRows = 8;
 
 // Rows of x against ONE weight row o, read front to back as one sequential stream per thread (the
-// row four ahead prefetched a line at a time), A independent sums per row of x: y[m * ys] for m < MT.
+// row four ahead prefetched a line at a time), A sums per row of x (chunk c into sum c mod A): y[m * ys]
+// for m < MT.
 // Zen 4 (session 38, `bench/linear_kernels.py`): the four-row tiles above read four streams at once
 // and reached ~half the memory speed for 1-8 rows; this is the AVX2 kernel's `row_tile` order.
 template <int MT, int A, typename T>
@@ -155,12 +156,24 @@ static inline void stream_row(const uint16_t* x, const uint16_t* w, T* y, int64_
     }
 }
 
-// Sums per row of x in `stream_row`: four for one or two rows, two up to four, one beyond (MT x A
-// accumulators stay in the 32 registers). Rows up to `g_stream_rows` take it (`set_stream_rows`).
-template <int MT>
-constexpr int stream_sums() { return MT == 1 ? 8 : MT == 2 ? 4 : MT <= 8 ? 2 : 1; }
+// Every row of x gets the same two sums (even / odd 32-weight chunks) in the same order, whatever the
+// number of rows: an output does not depend on how many rows share the call, so a verification of
+// many tokens computes exactly what a one-token step computes for each (greedy speculative decoding
+// stays token for token the target's own, bf16 included). More than 8 rows run as groups of up to 8
+// against the same weight row, read again from L1 (2 x 16 accumulators would not fit the registers).
 constexpr int kMaxRows = 16;  // rows of x in one pass over the weights (more: passes of 16)
 static int64_t g_stream_rows = kMaxRows;
+
+template <int MT, typename T>
+static inline void stream(const uint16_t* x, const uint16_t* w, T* y, int64_t K, int64_t ys, int64_t o,
+                          bool prefetch) {
+    if constexpr (MT <= 8) {
+        stream_row<MT, 2>(x, w, y, K, ys, o, prefetch);
+    } else {
+        stream_row<8, 2>(x, w, y, K, ys, o, prefetch);
+        stream_row<MT - 8, 2>(x + 8 * K, w, y + 8 * ys, K, ys, o, false);
+    }
+}
 
 template <int MT, typename T>
 static void rows(const uint16_t* x, const uint16_t* w, T* y, int64_t K, int64_t O) {
@@ -181,7 +194,7 @@ static void rows(const uint16_t* x, const uint16_t* w, T* y, int64_t K, int64_t 
     }
     at::parallel_for(0, O, 128, [&](int64_t begin, int64_t end) {
         for (int64_t o = begin; o < end; ++o)
-            stream_row<MT, stream_sums<MT>()>(x, w, y + o, K, O, o, o + 4 < end);
+            stream<MT>(x, w, y + o, K, O, o, o + 4 < end);
     });
 }
 
@@ -213,7 +226,7 @@ static void rows_argmax(const uint16_t* x, const uint16_t* w, int64_t* out, int6
             int64_t o = o0;
             if (MT > 8 || MT <= g_stream_rows) {
                 for (; o < o1; ++o) {
-                    stream_row<MT, stream_sums<MT>()>(x, w, y, K, 1, o, o + 4 < O);
+                    stream<MT>(x, w, y, K, 1, o, o + 4 < O);
                     for (int m = 0; m < MT; ++m) {
                         const float v = round_bf16(y[m]);
                         if (v > best[m]) best[m] = v, arg[m] = o;

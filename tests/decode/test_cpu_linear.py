@@ -59,6 +59,23 @@ def test_kernel_sums_exactly_what_a_float64_matmul_sums(backend, path, rows, k):
     assert torch.equal(y.double(), x.double() @ w.double().T)
 
 
+@pytest.mark.skipif("avx512" not in RUNNABLE, reason="needs a CPU with AVX-512 bf16")
+def test_avx512_gives_a_row_the_same_bits_however_many_rows_share_the_call():
+    # A verification feeds 2-16 rows where a target-only step feeds 1: every row must be summed in
+    # the same order either way, or bf16 near-ties flip and greedy speculative output stops being
+    # the target's own token for token. Random inputs (inexact sums), rows 1-20 (two passes past 16).
+    ext = cpu_linear.KERNELS["avx512"].load()
+    g = torch.Generator().manual_seed(0)
+    for k, o in [(640, 300), (2048, 70), (70, 33), (43, 9)]:
+        w = torch.randn(o, k, generator=g).to(torch.bfloat16)
+        x = torch.randn(20, k, generator=g).to(torch.bfloat16)
+        alone = torch.cat([ext.bf16_linear_bf16x(x[i:i + 1].contiguous(), w) for i in range(20)])
+        ids = torch.cat([ext.bf16_linear_argmax(x[i:i + 1].contiguous(), w) for i in range(20)])
+        for rows in range(2, 21):
+            assert torch.equal(ext.bf16_linear_bf16x(x[:rows].contiguous(), w), alone[:rows]), (k, o, rows)
+            assert torch.equal(ext.bf16_linear_argmax(x[:rows].contiguous(), w), ids[:rows]), (k, o, rows)
+
+
 @pytest.mark.parametrize("backend", RUNNABLE)
 def test_kernel_rounds_once_to_bf16_and_adds_the_bias(backend):
     g = torch.Generator().manual_seed(0)
