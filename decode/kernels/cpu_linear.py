@@ -94,6 +94,7 @@ from torch import Tensor, nn
 from drafttrain.config import DRAFT_WEIGHTS, LINEAR_BACKENDS
 from drafttrain.decode.kernels import cpu_layer_src as _layer_src
 from drafttrain.decode.kernels import cpu_layers
+from drafttrain.decode.kernels import cpu_linear_amx_src as _amx_src
 from drafttrain.decode.kernels import cpu_linear_avx2_src as _avx2_src
 from drafttrain.decode.kernels import cpu_linear_src as _src
 
@@ -220,8 +221,8 @@ KERNELS = {
                       + _layer_src.LAYER_SOURCE + _src.AVX512_BINDINGS + _layer_src.LAYER_BINDINGS + "}\n",
                       {"avx512f", "avx512bw", "avx512_bf16", "avx2", "fma"},
                       ["-mavx512f", "-mavx512bw", "-mavx512bf16", "-mavx2", "-mfma"], (1, 16)),
-    "amx": _Kernel("amx", _src.NORM_SOURCE + _src.AVX512_SOURCE + _src.Q7_SOURCE + _src.AMX_SOURCE + _avx2_src.AVX2_HELPERS
-                   + _src.avx512_layer_linear(True) + _layer_src.LAYER_SOURCE + _src.AVX512_BINDINGS + _src.AMX_BINDINGS
+    "amx": _Kernel("amx", _src.NORM_SOURCE + _src.AVX512_SOURCE + _src.Q7_SOURCE + _amx_src.AMX_SOURCE + _avx2_src.AVX2_HELPERS
+                   + _src.avx512_layer_linear(True) + _layer_src.LAYER_SOURCE + _src.AVX512_BINDINGS + _amx_src.AMX_BINDINGS
                    + _layer_src.LAYER_BINDINGS + "}\n",
                    {"avx512f", "avx512bw", "avx512_bf16", "amx_tile", "amx_bf16", "avx2", "fma"},
                    ["-mavx512f", "-mavx512bw", "-mavx512bf16", "-mamx-tile", "-mamx-bf16", "-mavx2", "-mfma"], (1, 16)),
