@@ -54,7 +54,10 @@ holds), each compiled once per machine by `torch.utils.cpp_extension` into its c
   On session 35-38's AMD EPYC (Zen 4, 2 threads) the four-row tiles reached about half the memory
   speed whatever the rows, and the AVX2 kernel beat them by 5-7 ms a step for 1-4 rows; the
   stream took 9-16 rows from PyTorch's matmul (compute-bound there). `bench/linear_kernels.py
-  --backends avx512,avx512-tiles` times both (the tiles stay behind `set_stream_rows(0)`).
+  --backends avx512,avx512-tiles` times both (the tiles stay behind `set_stream_rows(0)`). The
+  7-bit drafter kernel (`q7_linear_bf16`) reads its rows the same way: `bench/draft_step.py
+  runs/eagle_long_s36/drafter --gamma 3 --temperatures 1` one drafter forward 0.70-0.74 -> 0.58-0.60
+  ms, a T=1 `propose` 3.35-3.52 -> 2.94-3.08 ms (two runs each, interleaved processes).
 - ``amx``: AMX bf16 tiles (``tdpbf16ps``, 16 rows × 16 outputs × 32 weights per instruction) for
   2 … 16 rows where K and O are multiples of 32 (3 … 16 before session 27); 1 row and other shapes use the AVX-512 path
   above. Linux grants tile state per process (``arch_prctl``), asked for once. `auto` prefers it

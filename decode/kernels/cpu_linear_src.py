@@ -375,6 +375,36 @@ static inline void q7_tile(const uint16_t* x, const float* xsum, const uint8_t* 
             put(y + m * ys + r, (_mm512_reduce_add_ps(acc[r][m]) - 192.0f * xsum[m]) * s[o + r]);
 }
 
+// One 7-bit weight row against MT rows of x, two sums per row of x, as `stream_row` reads bf16 rows
+// (one sequential stream per thread; every row of x summed in the same order whatever MT).
+template <int MT, typename T>
+static inline void q7_stream_row(const uint16_t* x, const float* xsum, const uint8_t* w, const float* s, T* y,
+                                 int64_t K, int64_t ys, int64_t o, bool prefetch) {
+    __m512 acc[MT][2];
+    for (int m = 0; m < MT; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+    const uint8_t* row = w + o * K;
+    const uint8_t* pf = row + 8 * K;
+    int64_t k = 0;
+    for (; k + 64 <= K; k += 64) {
+        if (prefetch) _mm_prefetch(reinterpret_cast<const char*>(pf + k), _MM_HINT_T0);
+        const __m512bh w0 = q7_widen(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + k)));
+        const __m512bh w1 = q7_widen(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + k + 32)));
+        for (int m = 0; m < MT; ++m) {
+            acc[m][0] = _mm512_dpbf16_ps(acc[m][0], w0, (__m512bh)_mm512_loadu_si512(x + m * K + k));
+            acc[m][1] = _mm512_dpbf16_ps(acc[m][1], w1, (__m512bh)_mm512_loadu_si512(x + m * K + k + 32));
+        }
+    }
+    for (; k < K; k += 32) {  // the rest, the last chunk masked (its widened 128.0s meet x's zeros)
+        const __mmask32 mask = (K - k >= 32) ? (__mmask32)0xFFFFFFFFu : (__mmask32)((1u << (K - k)) - 1u);
+        if (prefetch) _mm_prefetch(reinterpret_cast<const char*>(pf + k), _MM_HINT_T0);
+        const __m512bh wv = q7_widen(_mm512_castsi512_si256(_mm512_maskz_loadu_epi8((__mmask64)mask, row + k)));
+        for (int m = 0; m < MT; ++m)
+            acc[m][0] = _mm512_dpbf16_ps(acc[m][0], wv, (__m512bh)_mm512_maskz_loadu_epi16(mask, x + m * K + k));
+    }
+    for (int m = 0; m < MT; ++m)
+        put(y + m * ys, (_mm512_reduce_add_ps(_mm512_add_ps(acc[m][0], acc[m][1])) - 192.0f * xsum[m]) * s[o]);
+}
+
 constexpr int64_t kQ7PrefetchRows = 16;  // rows are half as long as bf16's: the same ~10 KB ahead
 //: rows of x the 7-bit kernel serves in one call; more (a long catch-up) take the dequantized bf16 weights
 constexpr int64_t kQ7Rows = 8;
@@ -382,6 +412,12 @@ constexpr int64_t kQ7Rows = 8;
 template <int MT, typename T>
 static void q7_rows(const uint16_t* x, const float* xsum, const uint8_t* w, const float* s, T* y, int64_t K,
                     int64_t O) {
+    if (MT <= g_stream_rows) {
+        at::parallel_for(0, O, 128, [&](int64_t begin, int64_t end) {
+            for (int64_t o = begin; o < end; ++o) q7_stream_row<MT>(x, xsum, w, s, y + o, K, O, o, o + 8 < end);
+        });
+        return;
+    }
     constexpr int64_t R = tile_rows<MT>();
     const int64_t tiles = O / R;
     at::parallel_for(0, tiles, 16, [&](int64_t begin, int64_t end) {

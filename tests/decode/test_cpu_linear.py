@@ -74,6 +74,10 @@ def test_avx512_gives_a_row_the_same_bits_however_many_rows_share_the_call():
         for rows in range(2, 21):
             assert torch.equal(ext.bf16_linear_bf16x(x[:rows].contiguous(), w), alone[:rows]), (k, o, rows)
             assert torch.equal(ext.bf16_linear_argmax(x[:rows].contiguous(), w), ids[:rows]), (k, o, rows)
+        u, sc, _ = cpu_linear.q7_weights(w)  # the 7-bit drafter kernel (1-8 rows) too
+        q7_alone = torch.cat([ext.q7_linear_bf16(x[i:i + 1].contiguous(), u, sc) for i in range(8)])
+        for rows in range(2, 9):
+            assert torch.equal(ext.q7_linear_bf16(x[:rows].contiguous(), u, sc), q7_alone[:rows]), (k, o, rows)
 
 
 @pytest.mark.parametrize("backend", RUNNABLE)
