@@ -487,8 +487,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 def avx512_layer_linear(amx: bool) -> str:
     """C++ `layer_linear` for the AVX-512 / AMX extensions: the fused layer's projections (bf16 x
     [..., K] @ w^T -> bf16 [..., O]), routed as `cpu_linear._Forward` routes a linear on that backend:
-    AMX tiles for 2-16 rows on its 32 grid, the AVX-512 tiles for the other shapes up to the
-    kernel's rows (16 with AMX, 8 without), PyTorch's matmul beyond."""
+    AMX tiles for 2-16 rows on its 32 grid, the AVX-512 path (`stream_row`) for the other shapes up
+    to 16 rows, PyTorch's matmul beyond."""
     amx_rows = """
     if (M >= 2 && M <= 16 && K % 32 == 0 && O % 32 == 0) {
         auto shape = x.sizes().vec();
