@@ -12,9 +12,9 @@ so a change in the machine's speed (shared VMs drift by 2× within minutes) hits
 medians are printed, with the bandwidth limit the weights' bytes give at the measured read speed.
 
 `avx512-tiles` / `amx-tiles` are those kernels with their one-weight-row stream switched off
-(`set_stream_rows(0)`): every row count on the four- / two-weight-row tiles, as before session 38.
-Session 38 (AMD EPYC Zen 4, 2 threads, 34 GB/s, `--rows 1,2,4,6,8 --reps 5`), layers + LM head,
-ms, tiles -> stream: see cpu_linear's docstring.
+(`set_stream_rows(0)`): 1-8 rows on the four- / two-weight-row tiles, as before session 38 (9-16
+rows stay on the stream). Session 38's run on the AMD EPYC (`--rows 1,2,4,8,12,16 --reps 7
+--backends avx512,avx512-tiles`) is in README's session-38 block.
 
 Deliberately not here: the framework around the matmuls (`bench/decode_profile.py` times whole
 steps), correctness (tests/decode/test_cpu_linear.py).
@@ -57,12 +57,12 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     backends = [b for b in args.backends.split(",") if b] or [k for k in cpu_linear.KERNELS if cpu_linear.available(k)]
+    runnable = [k for k in cpu_linear.KERNELS if cpu_linear.available(k)]
+    choices = runnable + [f"{k}-tiles" for k in runnable if k in ("avx512", "amx")]
     for b in backends:
-        b = b.removesuffix("-tiles") if b != "avx2-tiles" else b
-        if b not in cpu_linear.KERNELS or not cpu_linear.available(b):
-            raise SystemExit(f"linear_kernels: backend {b!r} cannot run on this CPU; choose from "
-                             f"{[k for k in cpu_linear.KERNELS if cpu_linear.available(k)]}")
-        cpu_linear.KERNELS[b].load()
+        if b not in choices:
+            raise SystemExit(f"linear_kernels: backend {b!r} cannot run on this CPU; choose from {choices}")
+        cpu_linear.KERNELS[b.removesuffix("-tiles")].load()
     h, shapes = args.hidden, [(args.q_dim, args.hidden), (args.kv_dim, args.hidden), (args.kv_dim, args.hidden),
                               (args.hidden, args.q_dim), (args.intermediate, args.hidden),
                               (args.intermediate, args.hidden), (args.hidden, args.intermediate)]
