@@ -3,6 +3,7 @@
     python bench/linear_kernels.py                      # Gemma 3 270M shapes, rows 1 2 4 6 8 12 16
     python bench/linear_kernels.py --rows 1,6 --reps 15 --backends avx512
     python bench/linear_kernels.py --rows 1,2,4,8 --backends avx512,avx512-tiles   # session 38
+    python bench/linear_kernels.py --rows 1,4,8,16,32 --backends avx512,avx512-packed   # session 39
 
 For each row count (tokens fed to one decode step: 1 for target-only decoding, γ + 1 for a chain
 verify) it times every layer matmul of the model's shapes back to back (random bf16 weights, 18
@@ -14,7 +15,10 @@ medians are printed, with the bandwidth limit the weights' bytes give at the mea
 `avx512-tiles` / `amx-tiles` are those kernels with their one-weight-row stream switched off
 (`set_stream_rows(0)`): 1-8 rows on the four- / two-weight-row tiles, as before session 38 (9-16
 rows stay on the stream). Session 38's run on the AMD EPYC (`--rows 1,2,4,8,12,16 --reps 7
---backends avx512,avx512-tiles`) is in README's session-38 block.
+--backends avx512,avx512-tiles`) is in README's session-38 block. `avx512-packed` / `amx-packed`: the
+weights packed in 64-output panels (`cpu_linear.pack`, done in the untimed first rep), what
+`install` routes bias-free layers through on the avx512 backend since session 39; plain `avx512`
+is the row-streaming kernel those layers used before (and other shapes still use).
 
 Deliberately not here: the framework around the matmuls (`bench/decode_profile.py` times whole
 steps), correctness (tests/decode/test_cpu_linear.py).
@@ -58,11 +62,11 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     backends = [b for b in args.backends.split(",") if b] or [k for k in cpu_linear.KERNELS if cpu_linear.available(k)]
     runnable = [k for k in cpu_linear.KERNELS if cpu_linear.available(k)]
-    choices = runnable + [f"{k}-tiles" for k in runnable if k in ("avx512", "amx")]
+    choices = runnable + [f"{k}-{v}" for k in runnable if k in ("avx512", "amx") for v in ("tiles", "packed")]
     for b in backends:
         if b not in choices:
             raise SystemExit(f"linear_kernels: backend {b!r} cannot run on this CPU; choose from {choices}")
-        cpu_linear.KERNELS[b.removesuffix("-tiles")].load()
+        cpu_linear.KERNELS[b.removesuffix("-tiles").removesuffix("-packed")].load()
     h, shapes = args.hidden, [(args.q_dim, args.hidden), (args.kv_dim, args.hidden), (args.kv_dim, args.hidden),
                               (args.hidden, args.q_dim), (args.intermediate, args.hidden),
                               (args.intermediate, args.hidden), (args.hidden, args.intermediate)]
@@ -96,7 +100,16 @@ def main(argv=None) -> int:
 
 
 def _kernel_fn(name: str):
-    """x, w -> the kernel's product; `<backend>-tiles`: with the weight-row stream switched off."""
+    """x, w -> the kernel's product; `<backend>-tiles`: with the weight-row stream switched off;
+    `<backend>-packed`: through w packed in panels (packed once per weight, on its first call)."""
+    if name.endswith("-packed"):
+        ext, packed = cpu_linear.KERNELS[name.removesuffix("-packed")].load(), {}
+
+        def through_panels(x, w):
+            if id(w) not in packed:
+                packed[id(w)] = cpu_linear.pack(w)
+            return ext.packed_linear_bf16(x, packed[id(w)])
+        return through_panels
     if not name.endswith("-tiles"):
         return lambda x, w: cpu_linear.bf16_linear(x, w, backend=name)
     backend = name.removesuffix("-tiles")

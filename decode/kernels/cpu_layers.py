@@ -49,7 +49,7 @@ _ATTR = "_drafttrain_fused_layers"
 class FusedGemma3:
     """The per-layer weights and norm scales of one routed Gemma 3 model, and its decode step."""
 
-    def __init__(self, model: nn.Module, ext, norms: list[list]):
+    def __init__(self, model: nn.Module, ext, norms: list[list], pack=None):
         cfg = text_config(model.config)
         self.ext, self.body = ext, model.get_decoder()
         self.types = list(cfg.layer_types)
@@ -60,9 +60,29 @@ class FusedGemma3:
             a, mlp = layer.self_attn, layer.mlp
             self.weights.append([_stack(a.q_proj, a.k_proj, a.v_proj), a.o_proj.weight,
                                  _stack(mlp.gate_proj, mlp.up_proj), mlp.down_proj.weight])
+        # `cpu_linear.pack` where the backend packs (the C++ layer takes 4-dim weights as packed):
+        # the four per layer packed once, and again when a linear's weight changed (version, storage)
+        self._pack, self._packed, self._key = pack, None, None
+        if pack is not None and not all(w.shape[0] % 64 == 0 and w.shape[1] % 2 == 0 for ws in self.weights for w in ws):
+            self._pack = None
+        self._params = [m.weight for layer in self.body.layers for m in (
+            layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, layer.self_attn.o_proj,
+            layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj)]
+        self.layer_weights()
         self.norms = norms  # per layer: the installed `_Norm`s of input, q, k, post-attn, pre-ff, post-ff
         self._norm_weights = [nm.module.weight for per_layer in norms for nm in per_layer]
         self._versions, self._scales = None, None
+
+    def layer_weights(self) -> list[list[Tensor]]:
+        """Per layer the four weights the C++ layer reads: the stacks, or their packed copies."""
+        if self._pack is None:
+            return self.weights
+        key = [(w.data_ptr(), w._version) for w in self._params]
+        if key != self._key:
+            self._packed = None  # the old copies go before the new ones are made
+            self._packed = [[self._pack(w) for w in ws] for ws in self.weights]
+            self._key = key
+        return self._packed
 
     def scales(self) -> list[list[Tensor]]:
         """The norms' fp32 scales, cast again only when a norm weight changed (its version moved)."""
@@ -95,7 +115,7 @@ class FusedGemma3:
         states = [h]
         # as transformers' loop: the layers the body holds now (`kv.truncated_layers` shortens it)
         count = min(len(self.body.layers), len(self.weights))
-        for i, (w, scales) in enumerate(zip(self.weights[:count], self.scales()[:count])):
+        for i, (w, scales) in enumerate(zip(self.layer_weights()[:count], self.scales()[:count])):
             layer, kind = cache.layers[i], self.types[i]
             kbuf, vbuf, L = layer.reserve((B, self.hkv), n, self.hd, h.dtype, h.device)
             cos, sin = rope[kind]
@@ -210,10 +230,11 @@ def _install_eagle3(drafter: nn.Module, backend: str, ext) -> bool:
     return True
 
 
-def install(model: nn.Module, backend: str, ext) -> bool:
+def install(model: nn.Module, backend: str, ext, pack=None) -> bool:
     """Attaches a `FusedGemma3` where `_reason` finds nothing against it and `cpu_linear.install`
     routed every norm of every layer through the norm kernel in Gemma's formula (or a `FusedEagle3`
-    to an EAGLE-3 drafter, `_install_eagle3`); returns whether."""
+    to an EAGLE-3 drafter, `_install_eagle3`); returns whether. `pack` (`cpu_linear.pack`, or None):
+    the Gemma 3 layers read their weights packed."""
     if type(model).__name__ == "EagleDrafter":
         return _install_eagle3(model, backend, ext)
     if _reason(model, backend) is not None:
@@ -226,7 +247,7 @@ def install(model: nn.Module, backend: str, ext) -> bool:
         if not all(getattr(f, "mode", None) == "offset" and hasattr(f, "scale") for f in fwd):  # cpu_linear._Norm
             return False
         norms.append(fwd)
-    model.__dict__[_ATTR] = FusedGemma3(model, ext, norms)
+    model.__dict__[_ATTR] = FusedGemma3(model, ext, norms, pack)
     return True
 
 

@@ -34,30 +34,23 @@ holds), each compiled once per machine by `torch.utils.cpp_extension` into its c
   bf16 AMD EPYC of session 9 it was slower than PyTorch's native kernels (22.7 vs 22.2 ms for 1
   row, 24.9 vs 18.2 for 5), so `auto` uses it only on CPUs without AVX-512 bf16 / AMX.
 - ``avx512``: ``vdpbf16ps`` (pairs of bf16 products summed into fp32 lanes, 32 weights per
-  instruction, masked loads for the tail); for 1 … 8 rows in one pass over the weights (four weight
-  rows held in registers for up to 4 rows of x, two beyond, while the rows of x stream past from
-  L1), with a software prefetch of the weight rows eight ahead; bf16 inputs to bias-free layers get
-  bf16 back from one call (`bf16_linear_bf16`). `auto` picks it on CPUs with AVX-512 bf16. Session 10's first version
-  (no prefetch, tiles of 4 rows, 1 … 4 rows) lost to PyTorch's AMX path from 6 rows on; session 14
-  (this Intel Xeon, 2 threads, 12–17 GB/s, medians of 9–11 interleaved runs of Gemma 3 270M's
-  shapes, `bench/linear_kernels.py`): the 126 layer matmuls / the LM head take 13.3 / 19.9 ms for
-  1 row (PyTorch 40.0 / 41.3; the previous kernel 17.5 / 28.2), 14.3 / 20.7 ms for 6 rows (PyTorch
-  23–43 / 30–45 as the machine's speed moved), 21–30 / 32–45 for 8 (PyTorch 29–31 / 37–44). The
-  prefetch is most of it: without it the kernel's time was memory time plus compute time.
-  It also fuses the greedy head (`head_argmax`): argmax ids of the bf16 logits without writing
-  them, which saves the [rows, 262144] argmax (1.7 ms for 1 row, 5 ms for 6).
-  Since session 38 it reads ONE weight row at a time for 1 … 16 rows of x (`stream_row`, the AVX2
-  kernel's `row_tile` order: each thread's share of the weights is one sequential stream, the row
-  four ahead prefetched; two sums per row of x, so every row is summed in the same order whatever
-  the rows: a verification gives each token the bits a one-token step gives it; 9-16 rows as two
-  groups against the same weight row, read again from L1).
-  On session 35-38's AMD EPYC (Zen 4, 2 threads) the four-row tiles reached about half the memory
-  speed whatever the rows, and the AVX2 kernel beat them by 5-7 ms a step for 1-4 rows; the
-  stream took 9-16 rows from PyTorch's matmul (compute-bound there). `bench/linear_kernels.py
-  --backends avx512,avx512-tiles` times both (the tiles stay behind `set_stream_rows(0)`). The
-  7-bit drafter kernel (`q7_linear_bf16`) reads its rows the same way: `bench/draft_step.py
-  runs/eagle_long_s36/drafter --gamma 3 --temperatures 1` one drafter forward 0.70-0.74 -> 0.58-0.60
-  ms, a T=1 `propose` 3.35-3.52 -> 2.94-3.08 ms (two runs each, interleaved processes).
+  instruction); `auto` picks it on CPUs with AVX-512 bf16. Since session 39 bias-free layers whose
+  O is a multiple of 64 read a copy of their weight packed in panels of 64 outputs (`pack`,
+  `cpu_linear_packed_src`: x broadcast a pair at a time, no horizontal sums, up to 6 rows of x per
+  weight register), 1-64 rows; it keeps a second copy of those weights in memory (536 MB more for
+  Gemma 3 270M). On session 39's Zen 4 (2 threads, `bench/linear_kernels.py --backends
+  avx512,avx512-packed --rows 2,1,4,1,8 --reps 9`) layers + LM head took 5.6-6.1 + 7.5-8.8 ms for 1
+  row against the row stream's 9.7-10.5 + 9.4-9.9, 5.5 + 7.6 for 4 rows (11.9 + 11.9), 9.9 + 14.0
+  for 8 (19.5 + 20.8): 4 rows cost what 1 costs, at ~41 GB/s.
+  Other shapes: ONE weight row at a time for 1-16 rows of x (`stream_row`, session 38: each thread
+  reads one sequential stream, two sums per row of x in a fixed order, 9-16 rows as two groups
+  against the same weight row); the session-14 tiles of four weight rows (Intel Xeon, with a
+  software prefetch eight rows ahead) stay behind `set_stream_rows(0)`. Both fuse the greedy head
+  (`head_argmax`: argmax ids of the bf16 logits without writing [rows, 262144] logits), and every
+  path sums a row in an order that does not depend on how many rows share the call, so a
+  verification gives each token the bits a one-token step gives it. The 7-bit drafter kernel
+  (`q7_linear_bf16`) streams weight rows the same way. README's session 10-39 blocks give the
+  history and figures of each version.
 - ``amx``: AMX bf16 tiles (``tdpbf16ps``, 16 rows × 16 outputs × 32 weights per instruction) for
   2 … 16 rows where K and O are multiples of 32 (3 … 16 before session 27); 1 row and other shapes use the AVX-512 path
   above. Linux grants tile state per process (``arch_prctl``), asked for once. `auto` prefers it
@@ -78,8 +71,8 @@ by bf16 rounding at most (``vdpbf16ps`` also treats bf16 subnormal inputs as zer
 exact sums and that decoding a bf16 target through each kernel gives what PyTorch's matmul gives.
 Float32 models are never touched (greedy output in float32 equals the target's own exactly).
 
-Deliberately not here: backward (inference only), more than 16 rows under avx512 / amx
-(PyTorch's AMX / AVX-512 matmul, compute-bound there and faster), quantised weights, GPUs.
+Deliberately not here: backward (inference only), more than 16 rows under avx512 / amx except the
+packed weights' 17-64 (PyTorch's AMX / AVX-512 matmul, compute-bound there), GPUs.
 """
 
 from __future__ import annotations
@@ -99,10 +92,12 @@ from drafttrain.decode.kernels import cpu_layer_src as _layer_src
 from drafttrain.decode.kernels import cpu_layers
 from drafttrain.decode.kernels import cpu_linear_amx_src as _amx_src
 from drafttrain.decode.kernels import cpu_linear_avx2_src as _avx2_src
+from drafttrain.decode.kernels import cpu_linear_packed_src as _packed_src
 from drafttrain.decode.kernels import cpu_linear_src as _src
+from drafttrain.decode.kernels.build import build_lock
 
 __all__ = ["KERNELS", "build_lock", "head_argmax", "routes", "BACKENDS", "available", "bf16_linear", "install", "installed_backend", "setup", "is_installed", "paused", "routed_norms",
-           "uninstall", "resolve_backend", "DRAFT_WEIGHTS", "Q7_BACKENDS", "draft_weights_of", "KEEP_BF16", "quantize", "quantizes", "q7_weights", "wants_amx_linear", "wants_avx2_linear", "wants_avx512_linear"]
+           "uninstall", "resolve_backend", "DRAFT_WEIGHTS", "Q7_BACKENDS", "draft_weights_of", "KEEP_BF16", "quantize", "quantizes", "q7_weights", "wants_amx_linear", "wants_avx2_linear", "wants_avx512_linear", "PACKED_BACKENDS", "pack", "packable"]
 
 BACKENDS = LINEAR_BACKENDS
 #: the kernels with the 7-bit weight path (`cpu_linear_src.Q7_SOURCE`)
@@ -169,48 +164,27 @@ class _Kernel:
 _lock = threading.Lock()
 
 
-def _build_dir(name: str) -> Path | None:
-    try:  # private, but the one place that knows torch's folder layout (TORCH_EXTENSIONS_DIR, pyXY_cpu)
-        from torch.utils.cpp_extension import _get_build_directory
+#: backends whose bias-free linears run through a copy of their weight packed in 64-output panels
+#: (`pack`, `cpu_linear_packed_src`) for decode steps; () before `install`: the row-streaming kernel
+PACKED_BACKENDS: tuple[str, ...] = ("avx512",)
+#: rows the packed kernel serves in `_Forward` (a fused decode step's most, `cpu_layers.MAX_ROWS`);
+#: it beat PyTorch's matmul up to there on the Zen 4 (layers of 64 rows 35 vs 44 ms), not much beyond
+PACKED_MAX_ROWS = cpu_layers.MAX_ROWS
 
-        return Path(_get_build_directory(name, verbose=False))
-    except Exception:  # noqa: BLE001 - a torch without it: no stale-lock cleanup, torch's own wait
-        return None
+
+def packable(w: Tensor) -> bool:
+    """Whether `pack` takes `w`: a bf16 matrix [O, K] with O a multiple of 64 and K even."""
+    return w.dtype == torch.bfloat16 and w.dim() == 2 and w.shape[0] > 0 and w.shape[0] % 64 == 0 and w.shape[1] % 2 == 0
 
 
-@contextmanager
-def build_lock(name: str):
-    """Hold an OS lock beside torch's build folder of extension `name` while it is loaded or built.
+def pack(w: Tensor) -> Tensor:
+    """bf16 w [O, K] -> [O / 64, K / 2, 64, 2], the packed kernel's panels: for each panel of 64
+    outputs and each pair of inputs, the 64 outputs' two weights side by side (a copy: the packed
+    kernel reads only it, the module's own weight stays for everything else)."""
+    out, k = w.shape
+    with torch.no_grad():
+        return w.detach().reshape(out // 64, 64, k // 2, 2).permute(0, 2, 1, 3).contiguous()
 
-    torch marks a build in progress with a plain file (`<build dir>/lock`) that every later load
-    waits on while it exists; a build killed midway (Ctrl-C, a timeout) leaves it behind, and
-    then every process that loads the kernel waits forever without a word. Every drafttrain
-    process builds under this lock (an `fcntl` lock the OS drops when its holder dies), so a torch
-    `lock` file found while holding it is stale: it is removed, with a line saying so.
-    """
-    folder = _build_dir(name)
-    if folder is None or sys.platform == "win32":
-        yield
-        return
-    import fcntl
-
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    with open(folder.parent / f".{name}.drafttrain-lock", "a") as fh:
-        try:
-            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            print(f"drafttrain: waiting for another process building the {name} kernel in {folder}", file=sys.stderr, flush=True)
-            fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            stale = [folder / f for f in ("lock", ".ninja_lock") if (folder / f).exists()]
-            for f in stale:
-                f.unlink(missing_ok=True)
-            if stale:
-                print(f"drafttrain: removed {stale[0]} left by a killed kernel build (it would have made this "
-                      "load wait forever); building again", file=sys.stderr, flush=True)
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
 
 #: the kernels by backend name; `min_rows` / `max_rows`: the inputs each serves in one call (beyond
 #: `max_rows`, PyTorch's matmul, whose AMX / AVX-512 paths win on compute-bound work, except for
@@ -220,13 +194,14 @@ KERNELS = {
                     + _layer_src.LAYER_BINDINGS + "}\n", {"avx2", "fma"}, ["-mavx2", "-mfma"], (1, 64),
                     chunked=True),
     # the AVX-512 extensions also hold the fused layers (cpu_layer_src), over their own `layer_linear`
-    "avx512": _Kernel("avx512", _src.NORM_SOURCE + _src.AVX512_SOURCE + _src.Q7_SOURCE + _avx2_src.AVX2_HELPERS + _src.avx512_layer_linear(False)
-                      + _layer_src.LAYER_SOURCE + _src.AVX512_BINDINGS + _layer_src.LAYER_BINDINGS + "}\n",
+    "avx512": _Kernel("avx512", _src.NORM_SOURCE + _src.AVX512_SOURCE + _src.Q7_SOURCE + _packed_src.PACKED_SOURCE
+                      + _avx2_src.AVX2_HELPERS + _src.avx512_layer_linear(False) + _layer_src.LAYER_SOURCE
+                      + _src.AVX512_BINDINGS + _packed_src.PACKED_BINDINGS + _layer_src.LAYER_BINDINGS + "}\n",
                       {"avx512f", "avx512bw", "avx512_bf16", "avx2", "fma"},
                       ["-mavx512f", "-mavx512bw", "-mavx512bf16", "-mavx2", "-mfma"], (1, 16)),
-    "amx": _Kernel("amx", _src.NORM_SOURCE + _src.AVX512_SOURCE + _src.Q7_SOURCE + _amx_src.AMX_SOURCE + _avx2_src.AVX2_HELPERS
-                   + _src.avx512_layer_linear(True) + _layer_src.LAYER_SOURCE + _src.AVX512_BINDINGS + _amx_src.AMX_BINDINGS
-                   + _layer_src.LAYER_BINDINGS + "}\n",
+    "amx": _Kernel("amx", _src.NORM_SOURCE + _src.AVX512_SOURCE + _src.Q7_SOURCE + _packed_src.PACKED_SOURCE + _amx_src.AMX_SOURCE
+                   + _avx2_src.AVX2_HELPERS + _src.avx512_layer_linear(True) + _layer_src.LAYER_SOURCE + _src.AVX512_BINDINGS
+                   + _packed_src.PACKED_BINDINGS + _amx_src.AMX_BINDINGS + _layer_src.LAYER_BINDINGS + "}\n",
                    {"avx512f", "avx512bw", "avx512_bf16", "amx_tile", "amx_bf16", "avx2", "fma"},
                    ["-mavx512f", "-mavx512bw", "-mavx512bf16", "-mamx-tile", "-mamx-bf16", "-mavx2", "-mfma"], (1, 16)),
 }
@@ -344,11 +319,29 @@ class _Forward:
         self.direct_max = 1 if backend == "amx" and w.shape[0] % 32 == 0 and w.shape[1] % 32 == 0 else k.max_rows
         if backend == "avx2":
             self.direct_max = sys.maxsize  # chunked inside the call
+        # the packed kernel (`pack`): bias-free layers whose O and K sit on its panels
+        self.packs = backend in PACKED_BACKENDS and module.bias is None and packable(w)
+        self._packed, self._key = None, None
+
+    def packed(self) -> Tensor:
+        """The weight packed in panels (`pack`), packed again when the weight changed since (its
+        version counter or its storage moved)."""
+        w = self.module.weight
+        key = (w.data_ptr(), w._version)
+        if self._key != key:
+            self._packed, self._key = pack(w), key
+        return self._packed
+
+    def serves(self, rows: int) -> bool:
+        """Whether an input of `rows` rows runs through a kernel (the packed one: up to `PACKED_MAX_ROWS`)."""
+        return self.kernel.serves(rows) or (self.packs and 0 < rows <= PACKED_MAX_ROWS)
 
     def __call__(self, x: Tensor) -> Tensor:
         mod = self.module
         rows = x.numel() // x.shape[-1] if x.numel() else 0
-        if self.kernel.serves(rows) and not torch.is_grad_enabled() and x.device.type == "cpu":
+        if self.serves(rows) and not torch.is_grad_enabled() and x.device.type == "cpu":
+            if self.packs and x.dtype == torch.bfloat16:
+                return self.kernel.load().packed_linear_bf16(x, self.packed())
             if self.direct is not None and rows <= self.direct_max and x.dtype == torch.bfloat16:
                 return self.direct(x, mod.weight)
             return bf16_linear(x, mod.weight, mod.bias, self.backend)
@@ -393,13 +386,16 @@ def head_argmax(module: nn.Linear, x: Tensor) -> Tensor:
     """
     if x.dtype != torch.bfloat16 or module.bias is not None or not routes(module, x.shape[0]):
         return module(x).argmax(-1)
-    return KERNELS[vars(module)["forward"].backend].argmax(x, module.weight)
+    fwd = vars(module)["forward"]
+    if fwd.packs:
+        return fwd.kernel.load().packed_linear_argmax(x.contiguous(), fwd.packed())
+    return KERNELS[fwd.backend].argmax(x, module.weight)
 
 
 def routes(module: nn.Module, rows: int) -> bool:
     """Whether an input of `rows` rows to `module` runs through a kernel (installed, in range)."""
     fwd = vars(module).get("forward")
-    return isinstance(fwd, _Forward) and fwd.kernel.serves(rows)
+    return isinstance(fwd, _Forward) and fwd.serves(rows)
 
 
 def install(model: nn.Module, backend: str = "avx2") -> int:
@@ -418,7 +414,10 @@ def install(model: nn.Module, backend: str = "avx2") -> int:
             n += 1
         elif (mode := _norm_mode(mod, backend)) is not None:
             mod.forward = _Norm(mod, backend, mode)
-    cpu_layers.install(model, backend, KERNELS[backend].load())
+    cpu_layers.install(model, backend, KERNELS[backend].load(), pack if backend in PACKED_BACKENDS else None)
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if isinstance(fwd := vars(head).get("forward") if head is not None else None, _Forward) and fwd.packs:
+        fwd.packed()  # the LM head now, not in the first step (other layers pack on first use)
     return n
 
 
@@ -445,7 +444,7 @@ def quantize(model: nn.Module, exclude: nn.Module | None = None, keep: tuple[str
             mod.forward = _Q7Forward(mod, fwd.backend)
             n, backend = n + 1, fwd.backend
     if n and cpu_layers.fused(model) is not None:
-        cpu_layers.install(model, backend, KERNELS[backend].load())
+        cpu_layers.install(model, backend, KERNELS[backend].load(), pack if backend in PACKED_BACKENDS else None)
     return n
 
 

@@ -487,8 +487,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 def avx512_layer_linear(amx: bool) -> str:
     """C++ `layer_linear` for the AVX-512 / AMX extensions: the fused layer's projections (bf16 x
     [..., K] @ w^T -> bf16 [..., O]), routed as `cpu_linear._Forward` routes a linear on that backend:
-    AMX tiles for 2-16 rows on its 32 grid, the AVX-512 path (`stream_row`) for the other shapes up
-    to 16 rows, PyTorch's matmul beyond."""
+    a packed weight (4 dims) through the packed kernel for any rows, otherwise AMX tiles for 2-16
+    rows on its 32 grid, the AVX-512 path (`stream_row`) for the other shapes up to 16 rows,
+    PyTorch's matmul beyond."""
     amx_rows = """
     if (M >= 2 && M <= 16 && K % 32 == 0 && O % 32 == 0) {
         auto shape = x.sizes().vec();
@@ -497,6 +498,7 @@ def avx512_layer_linear(amx: bool) -> str:
     }""" if amx else ""
     return f"""
 static torch::Tensor layer_linear(torch::Tensor x, torch::Tensor w, int64_t) {{
+    if (w.dim() == 4) return packed_linear_bf16(x, w);  // packed by `cpu_linear.pack` (cpu_linear_packed_src)
     const int64_t K = w.size(1), O = w.size(0), M = K ? x.numel() / K : 0;{amx_rows}
     if (M <= 16) return bf16_linear_bf16(x, w);
     return at::linear(x, w);

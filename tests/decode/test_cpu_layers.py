@@ -99,6 +99,21 @@ def test_a_fused_step_gives_transformers_logits_and_hidden_states(backend, hidde
     assert (logits.argmax(-1) == ref_logits.argmax(-1)).float().mean() >= 0.9
 
 
+def test_the_fused_layers_compute_with_a_weight_changed_in_place(backend):
+    # Where the backend packs weights (`cpu_linear.pack`) the fused layers read packed copies: an
+    # in-place change of a linear's weight (a fine-tuning step, `load_state_dict`) must reach them.
+    target = _bf16_gemma(backend)
+    before, _, _ = _steps(target, fused=True)
+    with torch.no_grad():
+        for layer in target.model.layers:
+            layer.mlp.down_proj.weight.mul_(3)
+            layer.self_attn.q_proj.weight.mul_(-1)
+    logits, _, after = _steps(target, fused=True)
+    ref_logits, _, ref_after = _steps(target, fused=False)
+    assert _ulps(logits, before) > 64  # the change shows
+    assert _ulps(logits, ref_logits) <= 4 and _ulps(after, ref_after) <= 4
+
+
 def test_a_truncated_model_runs_only_its_first_layers_through_the_fused_path(backend):
     # early-exit drafting runs the target's first K layers (`truncated_layers`) over its cache
     target = _bf16_gemma(backend)

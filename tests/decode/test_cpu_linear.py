@@ -27,10 +27,20 @@ RUNNABLE = [k for k in cpu_linear.KERNELS if cpu_linear.available(k)]
 #: stream switched off (their four- / two-weight-row tiles for 1-8 rows, as `bench/linear_kernels.py`
 #: times them against it)
 PATHS = [(k, "default") for k in RUNNABLE] + [(k, "tiles") for k in RUNNABLE if k in ("avx512", "amx")]
+#: the backends that pack weights in 64-output panels (`cpu_linear.pack`) where a shape allows
+PACKING = [k for k in RUNNABLE if k in cpu_linear.PACKED_BACKENDS]
 
 
 @contextmanager
 def _path(backend: str, path: str):
+    if path == "stream":  # installs made inside leave the weights unpacked (the row-streaming kernel)
+        old = cpu_linear.PACKED_BACKENDS
+        cpu_linear.PACKED_BACKENDS = ()
+        try:
+            yield
+        finally:
+            cpu_linear.PACKED_BACKENDS = old
+        return
     if path != "tiles":
         yield
         return
@@ -78,6 +88,72 @@ def test_avx512_gives_a_row_the_same_bits_however_many_rows_share_the_call():
         q7_alone = torch.cat([ext.q7_linear_bf16(x[i:i + 1].contiguous(), u, sc) for i in range(8)])
         for rows in range(2, 9):
             assert torch.equal(ext.q7_linear_bf16(x[:rows].contiguous(), u, sc), q7_alone[:rows]), (k, o, rows)
+
+
+@pytest.mark.parametrize("backend", PACKING)
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16, 17, 40, 70])
+@pytest.mark.parametrize("k", [2, 44, 70, 640])
+def test_packed_kernel_sums_exactly_and_rounds_once(backend, rows, k):
+    # Exact integer sums: the packed kernel's bf16 output is the float64 matmul rounded once, for
+    # one group of rows (1-6), groups of 4 over chunks of 64 pairs (7-16; K = 640: 5 chunks) and
+    # passes of 16 (17+); two panels of 64 outputs.
+    g = torch.Generator().manual_seed(rows * k)
+    w = torch.randint(-3, 4, (128, k), generator=g).to(torch.bfloat16)
+    x = torch.randint(-3, 4, (rows, k), generator=g).to(torch.bfloat16)
+    y = cpu_linear.KERNELS[backend].load().packed_linear_bf16(x, cpu_linear.pack(w))
+    assert y.dtype == torch.bfloat16 and y.shape == (rows, 128)
+    assert torch.equal(y, (x.double() @ w.double().T).to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("backend", PACKING)
+def test_packed_kernel_gives_a_row_the_same_bits_however_many_rows_share_the_call(backend):
+    # As the row-streaming kernel below: random inputs (inexact sums), 1-20 rows, bits and argmax ids
+    ext = cpu_linear.KERNELS[backend].load()
+    g = torch.Generator().manual_seed(1)
+    for k, o in [(640, 320), (2048, 64), (70, 128), (2, 4096 + 128)]:
+        pk = cpu_linear.pack(torch.randn(o, k, generator=g).to(torch.bfloat16))
+        x = torch.randn(20, k, generator=g).to(torch.bfloat16)
+        alone = torch.cat([ext.packed_linear_bf16(x[i:i + 1], pk) for i in range(20)])
+        ids = torch.cat([ext.packed_linear_argmax(x[i:i + 1].contiguous(), pk) for i in range(20)])
+        assert torch.equal(ids, alone.float().argmax(-1))
+        for rows in range(2, 21):
+            assert torch.equal(ext.packed_linear_bf16(x[:rows], pk), alone[:rows]), (k, o, rows)
+            assert torch.equal(ext.packed_linear_argmax(x[:rows].contiguous(), pk), ids[:rows]), (k, o, rows)
+
+
+@pytest.mark.parametrize("backend", PACKING)
+def test_install_packs_what_fits_its_panels_and_follows_changes_to_the_weight(backend):
+    # A head of 320 outputs packs (5 panels); one of 300 does not (the row-streaming kernel). The
+    # packed head serves decode steps up to PACKED_MAX_ROWS rows, PyTorch's matmul beyond; an in-place
+    # change of the weight is what the next call computes with (packed again), and uninstall restores.
+    ext = cpu_linear.KERNELS[backend].load()
+    target = tiny_target("llama", dtype=torch.bfloat16, vocab_size=320)
+    head = target.lm_head
+    g = torch.Generator().manual_seed(3)
+    xs = [torch.randn(1, n, 64, generator=g).to(torch.bfloat16) for n in (1, 16, cpu_linear.PACKED_MAX_ROWS,
+                                                                           cpu_linear.PACKED_MAX_ROWS + 1)]
+    with torch.inference_mode():
+        before = [head(x) for x in xs]
+        cpu_linear.install(target, backend)
+        got = [head(x) for x in xs]
+        for x, y in zip(xs[:3], got[:3]):
+            assert torch.equal(y, ext.packed_linear_bf16(x, cpu_linear.pack(head.weight)))
+        assert torch.equal(got[3], before[3])  # more rows: PyTorch's matmul
+        assert cpu_linear.routes(head, cpu_linear.PACKED_MAX_ROWS) and not cpu_linear.routes(head, 1000)
+        ids = cpu_linear.head_argmax(head, xs[1][0])
+        assert torch.equal(ids, got[1][0].float().argmax(-1))
+        head.weight.mul_(-1)  # in place: the version counter moves
+        assert torch.equal(head(xs[1]), -got[1])
+        cpu_linear.uninstall(target)
+        assert torch.equal(head(xs[1]), -before[1])
+    odd = tiny_target("llama", dtype=torch.bfloat16, vocab_size=300)
+    cpu_linear.install(odd, backend)
+    try:
+        x = torch.randn(1, 4, 64, generator=g).to(torch.bfloat16)
+        with torch.inference_mode():
+            assert torch.equal(odd.lm_head(x), cpu_linear.bf16_linear(x, odd.lm_head.weight, backend=backend))
+    finally:
+        cpu_linear.uninstall(odd)
 
 
 @pytest.mark.parametrize("backend", RUNNABLE)
@@ -265,15 +341,15 @@ def test_kernel_sums_exactly_on_tile_shaped_matrices(backend, rows):
     assert torch.equal(y.double(), x.double() @ w.double().T)
 
 
-@pytest.mark.parametrize("backend, path", PATHS)
+@pytest.mark.parametrize("backend, path", PATHS + [(k, "stream") for k in PACKING])
 @pytest.mark.parametrize("rows", [1, 3, 6, 8, 9, 12, 16])
-@pytest.mark.parametrize("vocab", [9001, 8992])
+@pytest.mark.parametrize("vocab", [9001, 8992, 8960])
 def test_fused_head_argmax_gives_the_ids_of_the_heads_own_bf16_logits(backend, path, rows, vocab):
     # Greedy verification reads argmax ids straight from the kernel (no [rows, V] logits). They
     # must be the ids of the head's own bf16 logits, lowest id on ties: integer weights make many
     # exact ties, and wide random values tie after bf16 rounding. V spans several of the kernels'
-    # 4,096-row blocks (8,992 = 281 x 32 fits the AMX tiles, 9,001 does not), the maximum sits in a
-    # later block for some rows and appears in several blocks for others.
+    # 4,096-row blocks (8,992 = 281 x 32 fits the AMX tiles, 8,960 = 140 x 64 the packed panels,
+    # 9,001 neither), the maximum sits in a later block for some rows and in several for others.
     g = torch.Generator().manual_seed(rows)
     head = torch.nn.Linear(64, vocab, bias=False).to(torch.bfloat16)
     with torch.no_grad():
@@ -283,7 +359,8 @@ def test_fused_head_argmax_gives_the_ids_of_the_heads_own_bf16_logits(backend, p
     x[0] = 1
     wide = torch.randn(rows, 64, generator=g).mul(40).to(torch.bfloat16)
     try:
-        cpu_linear.install(head, backend)
+        with _path(backend, path):
+            cpu_linear.install(head, backend)
         with torch.inference_mode(), _path(backend, path):
             got = {}
             for name, inp in (("ties", x), ("wide", wide)):
