@@ -302,6 +302,12 @@ MUTANTS: list[Mutant] = [
            "        if self._key != key:", "        if self._packed is None:",
            ("tests/decode/test_cpu_linear.py::test_install_packs_what_fits_its_panels_and_follows_changes_to_the_weight",),
            "a routed linear's packed copy follows in-place changes of its weight"),
+    Mutant("softmax-scalar-tail", "decode/kernels/cpu_layer_src.py",
+           "    if (t < T) {\n        alignas(32) float tail[8];",
+           "    float total = hsum(acc);\n    for (; t < T; ++t) total += (s[t] = std::exp(s[t] - mx));\n"
+           "    return total;\n    if (t < T) {\n        alignas(32) float tail[8];",
+           ("tests/decode/test_cpu_layers.py::test_the_attentions_softmax_does_not_depend_on_masked_keys_past_the_row",),
+           "a query's probabilities must not depend on how many masked keys a verification adds"),
     Mutant("q7-kernel-offset-off-by-one", "decode/kernels/cpu_linear_src.py",
            "(_mm512_reduce_add_ps(_mm512_add_ps(acc[m][0], acc[m][1])) - 192.0f * xsum[m]) * s[o]",
            "(_mm512_reduce_add_ps(_mm512_add_ps(acc[m][0], acc[m][1])) - 191.0f * xsum[m]) * s[o]",

@@ -82,19 +82,34 @@ static void silu_gate(const uint16_t* g, const uint16_t* u, uint16_t* act, int64
     }
 }
 
-// s[t] = exp(s[t] - mx) for t < T; returns their sum (eight partial sums, then the tail)
+// s[t] = exp(s[t] - mx) for t < T; returns their sum. Every s[t] goes through the same vector exp in
+// lane t % 8 (the tail as one more vector, its lanes past T set to -inf: exp 0), and the eight lane
+// sums are added in one order: s[t] and the sum do not depend on T beyond the entries that are there.
+// A verification's query sees the keys a one-token step sees plus masked ones (score -inf: exp 0),
+// so it gets that step's bits (session 39: a scalar tail moved with T and flipped a bf16 near-tie).
 static float exp_shifted(float* s, int64_t T, float mx) {
+    if (!Sleef_expf8_u10avx2) {  // no SLEEF: one scalar sum in order (zeros past T change nothing)
+        float total = 0.f;
+        for (int64_t t = 0; t < T; ++t) total += (s[t] = std::exp(s[t] - mx));
+        return total;
+    }
     const __m256 m = _mm256_set1_ps(mx);
     __m256 acc = _mm256_setzero_ps();
     int64_t t = 0;
-    for (; Sleef_expf8_u10avx2 && t + 8 <= T; t += 8) {
+    for (; t + 8 <= T; t += 8) {
         const __m256 e = Sleef_expf8_u10avx2(_mm256_sub_ps(_mm256_loadu_ps(s + t), m));
         _mm256_storeu_ps(s + t, e);
         acc = _mm256_add_ps(acc, e);
     }
-    float total = hsum(acc);
-    for (; t < T; ++t) total += (s[t] = std::exp(s[t] - mx));
-    return total;
+    if (t < T) {
+        alignas(32) float tail[8];
+        for (int64_t j = 0; j < 8; ++j) tail[j] = t + j < T ? s[t + j] : -INFINITY;
+        const __m256 e = Sleef_expf8_u10avx2(_mm256_sub_ps(_mm256_load_ps(tail), m));
+        _mm256_store_ps(tail, e);
+        for (int64_t j = 0; t + j < T; ++j) s[t + j] = tail[j];
+        acc = _mm256_add_ps(acc, e);
+    }
+    return hsum(acc);
 }
 
 static inline const uint16_t* bits(const torch::Tensor& t) {
@@ -360,5 +375,10 @@ torch::Tensor eagle3_layer(torch::Tensor e, torch::Tensor f, std::vector<torch::
 LAYER_BINDINGS = r"""
     m.def("gemma3_layer", &gemma3_layer, "one Gemma 3 decoder layer for a decode step (bf16)");
     m.def("eagle3_layer", &eagle3_layer, "one EAGLE-3 drafter layer for a draft step (bf16)");
+    m.def("softmax_exp", [](torch::Tensor s, double mx) {  // the attention's exp and sum of one score row (tests)
+        auto e = s.to(torch::kFloat32).contiguous().clone();
+        const float total = exp_shifted(e.data_ptr<float>(), e.numel(), float(mx));
+        return std::make_tuple(e, total);
+    }, "exp(s - mx) of fp32 scores s [T] and their sum, as the fused attention computes them");
 """
 
