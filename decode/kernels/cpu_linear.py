@@ -95,9 +95,10 @@ from drafttrain.decode.kernels import cpu_linear_avx2_src as _avx2_src
 from drafttrain.decode.kernels import cpu_linear_packed_src as _packed_src
 from drafttrain.decode.kernels import cpu_linear_src as _src
 from drafttrain.decode.kernels.build import build_lock
+from drafttrain.decode.kernels.packing import pack, pack_budget, packable, packed_bytes
 
 __all__ = ["KERNELS", "build_lock", "head_argmax", "routes", "BACKENDS", "available", "bf16_linear", "install", "installed_backend", "setup", "is_installed", "paused", "routed_norms",
-           "uninstall", "resolve_backend", "DRAFT_WEIGHTS", "Q7_BACKENDS", "draft_weights_of", "KEEP_BF16", "quantize", "quantizes", "q7_weights", "wants_amx_linear", "wants_avx2_linear", "wants_avx512_linear", "PACKED_BACKENDS", "pack", "packable"]
+           "uninstall", "resolve_backend", "DRAFT_WEIGHTS", "Q7_BACKENDS", "draft_weights_of", "KEEP_BF16", "quantize", "quantizes", "q7_weights", "wants_amx_linear", "wants_avx2_linear", "wants_avx512_linear", "PACKED_BACKENDS", "pack", "packable", "packed_bytes", "pack_budget"]
 
 BACKENDS = LINEAR_BACKENDS
 #: the kernels with the 7-bit weight path (`cpu_linear_src.Q7_SOURCE`)
@@ -170,20 +171,6 @@ PACKED_BACKENDS: tuple[str, ...] = ("avx512",)
 #: rows the packed kernel serves in `_Forward` (a fused decode step's most, `cpu_layers.MAX_ROWS`);
 #: it beat PyTorch's matmul up to there on the Zen 4 (layers of 64 rows 35 vs 44 ms), not much beyond
 PACKED_MAX_ROWS = cpu_layers.MAX_ROWS
-
-
-def packable(w: Tensor) -> bool:
-    """Whether `pack` takes `w`: a bf16 matrix [O, K] with O a multiple of 64 and K even."""
-    return w.dtype == torch.bfloat16 and w.dim() == 2 and w.shape[0] > 0 and w.shape[0] % 64 == 0 and w.shape[1] % 2 == 0
-
-
-def pack(w: Tensor) -> Tensor:
-    """bf16 w [O, K] -> [O / 64, K / 2, 64, 2], the packed kernel's panels: for each panel of 64
-    outputs and each pair of inputs, the 64 outputs' two weights side by side (a copy: the packed
-    kernel reads only it, the module's own weight stays for everything else)."""
-    out, k = w.shape
-    with torch.no_grad():
-        return w.detach().reshape(out // 64, 64, k // 2, 2).permute(0, 2, 1, 3).contiguous()
 
 
 #: the kernels by backend name; `min_rows` / `max_rows`: the inputs each serves in one call (beyond
@@ -304,7 +291,7 @@ class _Forward:
     the AVX-512 tiles (except where the AMX tiles serve the shape), or the AVX2 kernel, which widens
     and rounds inside, in chunks of its `max_rows`."""
 
-    def __init__(self, module: nn.Linear, backend: str):
+    def __init__(self, module: nn.Linear, backend: str, pack: bool = True):
         self.module, self.backend = module, backend
         k = KERNELS[backend]
         self.kernel = k
@@ -320,7 +307,7 @@ class _Forward:
         if backend == "avx2":
             self.direct_max = sys.maxsize  # chunked inside the call
         # the packed kernel (`pack`): bias-free layers whose O and K sit on its panels
-        self.packs = backend in PACKED_BACKENDS and module.bias is None and packable(w)
+        self.packs = pack and backend in PACKED_BACKENDS and module.bias is None and packable(w)
         self._packed, self._key = None, None
 
     def packed(self) -> Tensor:
@@ -363,8 +350,8 @@ class _Q7Forward(_Forward):
     so every path computes the same function up to bf16 rounding. Half the bytes per decode step: a
     drafter's small steps are bound by reading its weights (`bench/draft_step.py`)."""
 
-    def __init__(self, module: nn.Linear, backend: str):
-        super().__init__(module, backend)
+    def __init__(self, module: nn.Linear, backend: str, pack: bool = True):
+        super().__init__(module, backend, pack)
         with torch.no_grad():
             self.u, self.s, deq = q7_weights(module.weight)
             module.weight.copy_(deq)  # in place: a fused layer's stacked copy (a view's base) follows
@@ -405,16 +392,17 @@ def install(model: nn.Module, backend: str = "avx2") -> int:
     Compiles the extension now (not at the first step), so its one-time cost is paid up front.
     """
     KERNELS[backend].load()
+    packing = backend in PACKED_BACKENDS and packed_bytes(model) <= pack_budget()
     n = 0
     for mod in model.modules():
         if "forward" in vars(mod):
             continue
         if isinstance(mod, nn.Linear) and mod.weight.dtype == torch.bfloat16:
-            mod.forward = _Forward(mod, backend)
+            mod.forward = _Forward(mod, backend, packing)
             n += 1
         elif (mode := _norm_mode(mod, backend)) is not None:
             mod.forward = _Norm(mod, backend, mode)
-    cpu_layers.install(model, backend, KERNELS[backend].load(), pack if backend in PACKED_BACKENDS else None)
+    cpu_layers.install(model, backend, KERNELS[backend].load(), pack if packing else None)
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if isinstance(fwd := vars(head).get("forward") if head is not None else None, _Forward) and fwd.packs:
         fwd.packed()  # the LM head now, not in the first step (other layers pack on first use)
@@ -441,7 +429,7 @@ def quantize(model: nn.Module, exclude: nn.Module | None = None, keep: tuple[str
         fwd = vars(mod).get("forward")
         if (type(fwd) is _Forward and fwd.backend in Q7_BACKENDS and mod.bias is None and id(mod) not in skip
                 and mod.weight.dim() == 2):
-            mod.forward = _Q7Forward(mod, fwd.backend)
+            mod.forward = _Q7Forward(mod, fwd.backend, fwd.packs)
             n, backend = n + 1, fwd.backend
     if n and cpu_layers.fused(model) is not None:
         cpu_layers.install(model, backend, KERNELS[backend].load(), pack if backend in PACKED_BACKENDS else None)
@@ -547,6 +535,11 @@ def setup(model: nn.Module, backend: str = "auto", draft_weights: str = "bf16") 
     line = (f"linear_backend={backend}: {n} bf16 linear layers and {routed_norms(model)} RMS norms of the target run "
             f"through the {name.upper()} kernels for {what} (ready in "
             f"{time.perf_counter() - t0:.1f} s; linear_backend=aten: PyTorch's)")
+    if name in PACKED_BACKENDS and packed_bytes(model):
+        mb = packed_bytes(model) / 1e6
+        line += (f"; weights packed in 64-output panels for 1-{PACKED_MAX_ROWS} rows (+{mb:.0f} MB)"
+                 if any(getattr(vars(m).get("forward"), "packs", False) for m in model.modules()) else
+                 f"; weights not packed (+{mb:.0f} MB would pass a quarter of this machine's memory)")
     if draft_weights_of(model) == "int7":
         which = "EAGLE drafters'" if draft_weights == "auto" else "drafters'"
         line += f"; {which} linears in 7-bit weights (draft_weights=bf16: as trained)"

@@ -156,6 +156,29 @@ def test_install_packs_what_fits_its_panels_and_follows_changes_to_the_weight(ba
         cpu_linear.uninstall(odd)
 
 
+@pytest.mark.parametrize("backend", PACKING)
+def test_weights_are_packed_only_within_the_memory_budget_and_setup_says_which(backend, monkeypatch):
+    # The packed copy sits beside the module's weight: a model whose copy would pass a quarter of
+    # the machine's memory keeps the row-streaming kernel (no copy), and setup's line says so.
+    target = tiny_target("llama", dtype=torch.bfloat16, vocab_size=320)
+    need = cpu_linear.packed_bytes(target)
+    assert need == sum(m.weight.numel() * 2 for m in target.modules()
+                       if isinstance(m, torch.nn.Linear) and m.weight.shape[0] % 64 == 0)
+    x = torch.randn(1, 3, 64, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    for budget, packed in ((need - 1, False), (need, True)):
+        monkeypatch.setattr(cpu_linear, "pack_budget", lambda b=budget: b)
+        line = cpu_linear.setup(target, backend)
+        try:
+            assert ("not packed" in line) != packed and ("64-output panels" in line) == packed
+            assert cpu_linear.routes(target.lm_head, 40) == packed  # the packed kernel serves up to 64 rows
+            with torch.inference_mode():
+                want = (cpu_linear.KERNELS[backend].load().packed_linear_bf16(x, cpu_linear.pack(target.lm_head.weight))
+                        if packed else cpu_linear.bf16_linear(x, target.lm_head.weight, backend=backend))
+                assert torch.equal(target.lm_head(x), want)
+        finally:
+            cpu_linear.uninstall(target)
+
+
 @pytest.mark.parametrize("backend", RUNNABLE)
 def test_kernel_rounds_once_to_bf16_and_adds_the_bias(backend):
     g = torch.Generator().manual_seed(0)
