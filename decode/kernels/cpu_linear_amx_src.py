@@ -130,13 +130,7 @@ torch::Tensor amx_linear_argmax(torch::Tensor x, torch::Tensor w) {
     });
     auto out = torch::empty({N}, x.options().dtype(torch::kLong));
     int64_t* op = out.data_ptr<int64_t>();
-    for (int64_t n = 0; n < N; ++n) {
-        float best = -INFINITY;
-        int64_t arg = 0;
-        for (int64_t b = 0; b < nblocks; ++b)
-            if (bval[b * N + n] > best) best = bval[b * N + n], arg = bidx[b * N + n];
-        op[n] = arg;
-    }
+    merge_blocks(bval, bidx, nblocks, N, op);
     return out;
 }
 

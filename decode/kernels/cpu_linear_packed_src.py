@@ -18,7 +18,7 @@ lane, whatever the number of rows, the group a row falls in or the chunking: a r
 alone or among 16 (a verification computes exactly what a one-token step computes for each token),
 and the argmax head picks the lowest index among equal bf16-rounded logits.
 
-`PACKED_SOURCE` goes after the AVX-512 source (it uses its `put`, `round_bf16` and `by_rows`);
+`PACKED_SOURCE` goes after the AVX-512 source (it uses its `put`, `round_bf16`, `merge_blocks` and `by_rows`);
 `PACKED_BINDINGS` inside its PYBIND11 module.
 """
 
@@ -111,13 +111,7 @@ static void packed_rows_argmax(const uint16_t* x, const uint16_t* pk, int64_t* o
             for (int m = 0; m < MT; ++m) bval[b * MT + m] = best[m], bidx[b * MT + m] = arg[m];
         }
     });
-    for (int m = 0; m < MT; ++m) {
-        float best = -INFINITY;
-        int64_t arg = 0;
-        for (int64_t b = 0; b < nblocks; ++b)
-            if (bval[b * MT + m] > best) best = bval[b * MT + m], arg = bidx[b * MT + m];
-        out[m] = arg;
-    }
+    merge_blocks(bval, bidx, nblocks, MT, out);
 }
 
 static void check_packed(const torch::Tensor& pk, int64_t K) {

@@ -207,6 +207,19 @@ static inline float round_bf16(float v) {
     return v;
 }
 
+// out[m] = the id of row m's best over blocks 0 .. nblocks - 1 (bval / bidx [nblocks][rows]), merged
+// in block order: a later block wins only when strictly greater (the lowest id among equal maxima)
+static inline void merge_blocks(const std::vector<float>& bval, const std::vector<int64_t>& bidx, int64_t nblocks,
+                                int64_t rows, int64_t* out) {
+    for (int64_t m = 0; m < rows; ++m) {
+        float best = -INFINITY;
+        int64_t arg = 0;
+        for (int64_t b = 0; b < nblocks; ++b)
+            if (bval[b * rows + m] > best) best = bval[b * rows + m], arg = bidx[b * rows + m];
+        out[m] = arg;
+    }
+}
+
 // argmax over o of bf16(x[m] . w[o]) for each of MT rows, lowest o on ties, without storing
 // [MT, O] logits: blocks of weight rows in parallel, each keeps its best per row, then the
 // blocks are merged in order (a later block wins only when strictly greater).
@@ -254,13 +267,7 @@ static void rows_argmax(const uint16_t* x, const uint16_t* w, int64_t* out, int6
             for (int m = 0; m < MT; ++m) bval[b * MT + m] = best[m], bidx[b * MT + m] = arg[m];
         }
     });
-    for (int m = 0; m < MT; ++m) {
-        float best = -INFINITY;
-        int64_t arg = 0;
-        for (int64_t b = 0; b < nblocks; ++b)
-            if (bval[b * MT + m] > best) best = bval[b * MT + m], arg = bidx[b * MT + m];
-        out[m] = arg;
-    }
+    merge_blocks(bval, bidx, nblocks, MT, out);
 }
 
 // f(std::integral_constant<int, n>{}) for n in 1 .. kMaxRows: the row count as a template argument
