@@ -4,6 +4,7 @@
     python bench/linear_kernels.py --rows 1,6 --reps 15 --backends avx512
     python bench/linear_kernels.py --rows 1,2,4,8 --backends avx512,avx512-tiles   # session 38
     python bench/linear_kernels.py --rows 1,4,8,16,32 --backends avx512,avx512-packed   # session 39
+    python bench/linear_kernels.py --rows 1,2,4,8 --backends avx2,avx2-packed           # session 40
 
 For each row count (tokens fed to one decode step: 1 for target-only decoding, γ + 1 for a chain
 verify) it times every layer matmul of the model's shapes back to back (random bf16 weights, 18
@@ -15,10 +16,10 @@ medians are printed, with the bandwidth limit the weights' bytes give at the mea
 `avx512-tiles` / `amx-tiles` are those kernels with their one-weight-row stream switched off
 (`set_stream_rows(0)`): 1-8 rows on the four- / two-weight-row tiles, as before session 38 (9-16
 rows stay on the stream). Session 38's run on the AMD EPYC (`--rows 1,2,4,8,12,16 --reps 7
---backends avx512,avx512-tiles`) is in README's session-38 block. `avx512-packed` / `amx-packed`: the
+--backends avx512,avx512-tiles`) is in README's session-38 block. `<backend>-packed`: the
 weights packed in 64-output panels (`cpu_linear.pack`, done in the untimed first rep), what
-`install` routes bias-free layers through on the avx512 backend since session 39; plain `avx512`
-is the row-streaming kernel those layers used before (and other shapes still use).
+`install` routes bias-free layers through on the avx512 backend since session 39 and on avx2 since
+session 40; plain `avx512` / `avx2` is the kernel those layers used before (and other shapes still use).
 
 Deliberately not here: the framework around the matmuls (`bench/decode_profile.py` times whole
 steps), correctness (tests/decode/test_cpu_linear.py).
@@ -62,7 +63,8 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     backends = [b for b in args.backends.split(",") if b] or [k for k in cpu_linear.KERNELS if cpu_linear.available(k)]
     runnable = [k for k in cpu_linear.KERNELS if cpu_linear.available(k)]
-    choices = runnable + [f"{k}-{v}" for k in runnable if k in ("avx512", "amx") for v in ("tiles", "packed")]
+    choices = (runnable + [f"{k}-tiles" for k in runnable if k in ("avx512", "amx")]
+               + [f"{k}-packed" for k in runnable])
     for b in backends:
         if b not in choices:
             raise SystemExit(f"linear_kernels: backend {b!r} cannot run on this CPU; choose from {choices}")

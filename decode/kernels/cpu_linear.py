@@ -32,7 +32,14 @@ holds), each compiled once per machine by `torch.utils.cpp_extension` into its c
   layers + LM head, 2 rows 30.8 → 23.2 ms, 3: 30.6 → 22.7, 4: 30.4 → 24.4, 5: 31.5 → 28.5 (6 and
   more stay on weight pairs). On the AVX-512
   bf16 AMD EPYC of session 9 it was slower than PyTorch's native kernels (22.7 vs 22.2 ms for 1
-  row, 24.9 vs 18.2 for 5), so `auto` uses it only on CPUs without AVX-512 bf16 / AMX.
+  row, 24.9 vs 18.2 for 5), so `auto` uses it only on CPUs without AVX-512 bf16 / AMX. Since
+  session 40 its bias-free layers with O a multiple of 64 read packed weights too, for 1-64 rows
+  (`cpu_linear_packed_src.PACKED_AVX2_SOURCE`): each output summed over k in one order whatever the
+  rows, which the row kernel above does not (1 row and 2-5 rows sum in different orders), so a
+  verification gives each token a one-token step's bits here as well. Session 40, the Zen 4 with the
+  AVX2 kernels forced (`bench/linear_kernels.py --rows 1,2,3,4,6,8,16 --reps 9 --backends
+  avx2,avx2-packed`, layers + LM head, ms): 1 row 16.1 vs 25.4, 2: 33.1 vs 28.6, 4: 36.4 vs 36.2,
+  8: 50.0 vs 55.9, 16: 83.2 vs 99.1; 2-6 rows of the LM head are what the packed kernel loses.
 - ``avx512``: ``vdpbf16ps`` (pairs of bf16 products summed into fp32 lanes, 32 weights per
   instruction); `auto` picks it on CPUs with AVX-512 bf16. Since session 39 bias-free layers whose
   O is a multiple of 64 read a copy of their weight packed in panels of 64 outputs (`pack`,
@@ -167,7 +174,7 @@ _lock = threading.Lock()
 
 #: backends whose bias-free linears run through a copy of their weight packed in 64-output panels
 #: (`pack`, `cpu_linear_packed_src`) for decode steps; () before `install`: the row-streaming kernel
-PACKED_BACKENDS: tuple[str, ...] = ("avx512",)
+PACKED_BACKENDS: tuple[str, ...] = ("avx512", "avx2")
 #: rows the packed kernel serves in `_Forward` (a fused decode step's most, `cpu_layers.MAX_ROWS`);
 #: it beat PyTorch's matmul up to there on the Zen 4 (layers of 64 rows 35 vs 44 ms), not much beyond
 PACKED_MAX_ROWS = cpu_layers.MAX_ROWS
@@ -177,16 +184,17 @@ PACKED_MAX_ROWS = cpu_layers.MAX_ROWS
 #: `max_rows`, PyTorch's matmul, whose AMX / AVX-512 paths win on compute-bound work, except for
 #: the chunked avx2 kernel: PyTorch's bf16 matmul on AVX2 is slower than it at every row count)
 KERNELS = {
-    "avx2": _Kernel("avx2", _src.NORM_SOURCE + _avx2_src.AVX2_SOURCE + _layer_src.LAYER_SOURCE + _avx2_src.AVX2_BINDINGS
-                    + _layer_src.LAYER_BINDINGS + "}\n", {"avx2", "fma"}, ["-mavx2", "-mfma"], (1, 64),
+    "avx2": _Kernel("avx2", _src.NORM_SOURCE + _src.COMMON_SOURCE + _avx2_src.AVX2_SOURCE + _packed_src.PACKED_AVX2_SOURCE
+                    + _avx2_src.AVX2_LAYER_LINEAR + _layer_src.LAYER_SOURCE + _avx2_src.AVX2_BINDINGS
+                    + _packed_src.PACKED_BINDINGS + _layer_src.LAYER_BINDINGS + "}\n", {"avx2", "fma"}, ["-mavx2", "-mfma"], (1, 64),
                     chunked=True),
     # the AVX-512 extensions also hold the fused layers (cpu_layer_src), over their own `layer_linear`
-    "avx512": _Kernel("avx512", _src.NORM_SOURCE + _src.AVX512_SOURCE + _src.Q7_SOURCE + _packed_src.PACKED_SOURCE
+    "avx512": _Kernel("avx512", _src.NORM_SOURCE + _src.COMMON_SOURCE + _src.AVX512_SOURCE + _src.Q7_SOURCE + _packed_src.PACKED_SOURCE
                       + _avx2_src.AVX2_HELPERS + _src.avx512_layer_linear(False) + _layer_src.LAYER_SOURCE
                       + _src.AVX512_BINDINGS + _packed_src.PACKED_BINDINGS + _layer_src.LAYER_BINDINGS + "}\n",
                       {"avx512f", "avx512bw", "avx512_bf16", "avx2", "fma"},
                       ["-mavx512f", "-mavx512bw", "-mavx512bf16", "-mavx2", "-mfma"], (1, 16)),
-    "amx": _Kernel("amx", _src.NORM_SOURCE + _src.AVX512_SOURCE + _src.Q7_SOURCE + _packed_src.PACKED_SOURCE + _amx_src.AMX_SOURCE
+    "amx": _Kernel("amx", _src.NORM_SOURCE + _src.COMMON_SOURCE + _src.AVX512_SOURCE + _src.Q7_SOURCE + _packed_src.PACKED_SOURCE + _amx_src.AMX_SOURCE
                    + _avx2_src.AVX2_HELPERS + _src.avx512_layer_linear(True) + _layer_src.LAYER_SOURCE + _src.AVX512_BINDINGS
                    + _packed_src.PACKED_BINDINGS + _amx_src.AMX_BINDINGS + _layer_src.LAYER_BINDINGS + "}\n",
                    {"avx512f", "avx512bw", "avx512_bf16", "amx_tile", "amx_bf16", "avx2", "fma"},
@@ -327,7 +335,7 @@ class _Forward:
         mod = self.module
         rows = x.numel() // x.shape[-1] if x.numel() else 0
         if self.serves(rows) and not torch.is_grad_enabled() and x.device.type == "cpu":
-            if self.packs and x.dtype == torch.bfloat16:
+            if self.packs and x.dtype == torch.bfloat16 and rows <= PACKED_MAX_ROWS:  # (avx2 serves prefill too)
                 return self.kernel.load().packed_linear_bf16(x, self.packed())
             if self.direct is not None and rows <= self.direct_max and x.dtype == torch.bfloat16:
                 return self.direct(x, mod.weight)
@@ -374,7 +382,7 @@ def head_argmax(module: nn.Linear, x: Tensor) -> Tensor:
     if x.dtype != torch.bfloat16 or module.bias is not None or not routes(module, x.shape[0]):
         return module(x).argmax(-1)
     fwd = vars(module)["forward"]
-    if fwd.packs:
+    if fwd.packs and x.shape[0] <= PACKED_MAX_ROWS:
         return fwd.kernel.load().packed_linear_argmax(x.contiguous(), fwd.packed())
     return KERNELS[fwd.backend].argmax(x, module.weight)
 

@@ -3,8 +3,10 @@
 ``AVX2_SOURCE``: bf16 weights widened to fp32 in registers and fp32 FMAs; up to 5 rows of x
 against one weight row at a time with a prefetch (`row_tile`), 6-64 rows through tiles of up to
 six rows of x over a weight pair with a prefetch, the fused bf16-in / bf16-out call that `cpu_linear._Forward` uses,
-and the greedy head's argmax of bf16-rounded logits; ``AVX2_BINDINGS``, its Python bindings. Compiled
-after `cpu_linear_src.NORM_SOURCE` (whose `norm_widen` / `norm_round` it uses) and before
+and the greedy head's argmax of bf16-rounded logits; ``AVX2_LAYER_LINEAR``, the fused layers'
+projections; ``AVX2_BINDINGS``, its Python bindings. Compiled after `cpu_linear_src.NORM_SOURCE` and
+`COMMON_SOURCE` (whose `norm_widen` / `norm_round` / `merge_blocks` it uses), followed by the packed
+kernel (`cpu_linear_packed_src.PACKED_AVX2_SOURCE`), `AVX2_LAYER_LINEAR` and
 `cpu_layer_src.LAYER_SOURCE` (one Gemma 3 layer per call, built on these kernels). `cpu_linear`'s docstring gives the numbers and the routing.
 """
 
@@ -199,11 +201,6 @@ torch::Tensor bf16_linear_bf16(torch::Tensor x, torch::Tensor w, int64_t chunk) 
     return y;
 }
 
-// The fused layer's projections (cpu_layer_src): this kernel, chunked as a routed linear is.
-static inline torch::Tensor layer_linear(torch::Tensor x, torch::Tensor w, int64_t chunk) {
-    return bf16_linear_bf16(x, w, chunk);
-}
-
 // 7-bit drafter weights are an AVX-512 bf16 kernel's (cpu_linear_src.Q7_SOURCE); `cpu_linear` never
 // hands them to this one, and the fused layer's `project` never calls this with kQ7Rows = 0
 constexpr int64_t kQ7Rows = 0;
@@ -220,12 +217,12 @@ torch::Tensor argmax_bf16_rounded(torch::Tensor y) {
     const int64_t M = y.size(0), O = y.size(1);
     constexpr int64_t kBlock = 16384;
     const int64_t nblocks = (O + kBlock - 1) / kBlock;
-    std::vector<float> bval(M * nblocks);
-    std::vector<int64_t> bidx(M * nblocks);
+    std::vector<float> bval(nblocks * M);
+    std::vector<int64_t> bidx(nblocks * M);
     const float* yp = y.data_ptr<float>();
     at::parallel_for(0, M * nblocks, 1, [&](int64_t begin, int64_t end) {
         for (int64_t t = begin; t < end; ++t) {
-            const int64_t m = t / nblocks, o0 = (t % nblocks) * kBlock, o1 = std::min(O, o0 + kBlock);
+            const int64_t m = t / nblocks, b = t % nblocks, o0 = b * kBlock, o1 = std::min(O, o0 + kBlock);
             const uint32_t* row = reinterpret_cast<const uint32_t*>(yp + m * O);
             float best = -INFINITY;
             int64_t arg = o0;
@@ -235,21 +232,24 @@ torch::Tensor argmax_bf16_rounded(torch::Tensor y) {
                 std::memcpy(&v, &u, 4);
                 if (v > best) best = v, arg = o;
             }
-            bval[t] = best, bidx[t] = arg;
+            bval[b * M + m] = best, bidx[b * M + m] = arg;
         }
     });
     auto out = torch::empty({M}, y.options().dtype(torch::kLong));
-    int64_t* op = out.data_ptr<int64_t>();
-    for (int64_t m = 0; m < M; ++m) {
-        float best = -INFINITY;
-        int64_t arg = 0;
-        for (int64_t b = 0; b < nblocks; ++b)
-            if (bval[m * nblocks + b] > best) best = bval[m * nblocks + b], arg = bidx[m * nblocks + b];
-        op[m] = arg;
-    }
+    merge_blocks(bval, bidx, nblocks, M, out.data_ptr<int64_t>());
     return out;
 }
 
+"""
+
+#: the fused layer's projections (cpu_layer_src), after `cpu_linear_packed_src.PACKED_AVX2_SOURCE`: a
+#: packed weight (4 dims, `cpu_linear.pack`) through the packed kernel, otherwise this kernel, chunked
+#: as a routed linear is
+AVX2_LAYER_LINEAR = r"""
+static inline torch::Tensor layer_linear(torch::Tensor x, torch::Tensor w, int64_t chunk) {
+    if (w.dim() == 4) return packed_linear_bf16(x, w);
+    return bf16_linear_bf16(x, w, chunk);
+}
 """
 
 # The module's bindings, left open: `cpu_linear` appends `cpu_layer_src.LAYER_BINDINGS` and the closing brace.

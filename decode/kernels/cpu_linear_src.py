@@ -1,6 +1,7 @@
 """C++ sources of the bf16 decode-step linear kernels that `cpu_linear` compiles on first use.
 
-Kept apart from the loader so each file reads on its own: ``NORM_SOURCE`` (RMS norms of bf16 rows, compiled into every kernel), ``AVX512_SOURCE`` (``vdpbf16ps`` over one weight row at a time for 1-16 rows of x, the older tiles
+Kept apart from the loader so each file reads on its own: ``NORM_SOURCE`` (RMS norms of bf16 rows) and ``COMMON_SOURCE`` (bf16 stores and rounding, the
+argmax block merge, the row count as a template argument), both compiled into every kernel, ``AVX512_SOURCE`` (``vdpbf16ps`` over one weight row at a time for 1-16 rows of x, the older tiles
 of four or two weight rows with a software prefetch behind `set_stream_rows(0)`, and the fused greedy
 head argmax), ``Q7_SOURCE`` (7-bit drafter weights), ``AVX512_BINDINGS`` (its Python bindings) and
 `avx512_layer_linear` (the fused layers' projections). Every kernel sums exact bf16 products in
@@ -68,6 +69,67 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor scale, double eps, bool ro
 }
 """
 
+COMMON_SOURCE = r"""
+#include <algorithm>
+#include <type_traits>
+#include <vector>
+
+constexpr int kMaxRows = 16;  // rows of x in one pass over the weights (more: passes of 16)
+
+// an output stored as fp32, or as bf16
+static inline void put(float* y, float v) { *y = v; }
+static inline void put(uint16_t* y, float v) {  // bf16, rounded to nearest even as PyTorch's casts round
+    uint32_t u;
+    std::memcpy(&u, &v, 4);
+    *y = ((u & 0x7FFFFFFFu) > 0x7F800000u) ? uint16_t((u >> 16) | 0x40u) : uint16_t((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+// fp32 -> bf16 -> fp32, rounding to nearest even: the value PyTorch's bf16 logits hold
+static inline float round_bf16(float v) {
+    uint32_t u;
+    std::memcpy(&u, &v, 4);
+    u = (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;
+    std::memcpy(&v, &u, 4);
+    return v;
+}
+
+// out[m] = the id of row m's best over blocks 0 .. nblocks - 1 (bval / bidx [nblocks][rows]), merged
+// in block order: a later block wins only when strictly greater (the lowest id among equal maxima)
+static inline void merge_blocks(const std::vector<float>& bval, const std::vector<int64_t>& bidx, int64_t nblocks,
+                                int64_t rows, int64_t* out) {
+    for (int64_t m = 0; m < rows; ++m) {
+        float best = -INFINITY;
+        int64_t arg = 0;
+        for (int64_t b = 0; b < nblocks; ++b)
+            if (bval[b * rows + m] > best) best = bval[b * rows + m], arg = bidx[b * rows + m];
+        out[m] = arg;
+    }
+}
+
+// f(std::integral_constant<int, n>{}) for n in 1 .. kMaxRows: the row count as a template argument
+template <typename F>
+static void by_rows(int64_t n, F&& f) {
+    switch (n) {
+        case 1: f(std::integral_constant<int, 1>{}); break;
+        case 2: f(std::integral_constant<int, 2>{}); break;
+        case 3: f(std::integral_constant<int, 3>{}); break;
+        case 4: f(std::integral_constant<int, 4>{}); break;
+        case 5: f(std::integral_constant<int, 5>{}); break;
+        case 6: f(std::integral_constant<int, 6>{}); break;
+        case 7: f(std::integral_constant<int, 7>{}); break;
+        case 8: f(std::integral_constant<int, 8>{}); break;
+        case 9: f(std::integral_constant<int, 9>{}); break;
+        case 10: f(std::integral_constant<int, 10>{}); break;
+        case 11: f(std::integral_constant<int, 11>{}); break;
+        case 12: f(std::integral_constant<int, 12>{}); break;
+        case 13: f(std::integral_constant<int, 13>{}); break;
+        case 14: f(std::integral_constant<int, 14>{}); break;
+        case 15: f(std::integral_constant<int, 15>{}); break;
+        default: f(std::integral_constant<int, 16>{}); break;
+    }
+}
+"""
+
 AVX512_SOURCE = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -84,13 +146,6 @@ AVX512_SOURCE = r"""
 // (a few KB, L1-resident) stream past it; vdpbf16ps sums bf16 pairs into fp32 lanes. `pf`, when
 // set, is the weight row PF rows ahead, prefetched chunk by chunk so the memory stream keeps going
 // while the core computes (without it the kernel's time was memory time plus compute time).
-static inline void put(float* y, float v) { *y = v; }
-static inline void put(uint16_t* y, float v) {  // bf16, rounded to nearest even as PyTorch's casts round
-    uint32_t u;
-    std::memcpy(&u, &v, 4);
-    *y = ((u & 0x7FFFFFFFu) > 0x7F800000u) ? uint16_t((u >> 16) | 0x40u) : uint16_t((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-}
-
 template <int R, int MT, typename T>
 static inline void tile(const uint16_t* x, const uint16_t* w, T* y, int64_t K, int64_t ys, int64_t o,
                         const uint16_t* pf) {
@@ -161,7 +216,6 @@ static inline void stream_row(const uint16_t* x, const uint16_t* w, T* y, int64_
 // many tokens computes exactly what a one-token step computes for each (greedy speculative decoding
 // stays token for token the target's own, bf16 included). More than 8 rows run as groups of up to 8
 // against the same weight row, read again from L1 (2 x 16 accumulators would not fit the registers).
-constexpr int kMaxRows = 16;  // rows of x in one pass over the weights (more: passes of 16)
 static int64_t g_stream_rows = kMaxRows;
 
 template <int MT, typename T>
@@ -196,28 +250,6 @@ static void rows(const uint16_t* x, const uint16_t* w, T* y, int64_t K, int64_t 
         for (int64_t o = begin; o < end; ++o)
             stream<MT>(x, w, y + o, K, O, o, o + 4 < end);
     });
-}
-
-// fp32 -> bf16 -> fp32, rounding to nearest even: the value PyTorch's bf16 logits hold
-static inline float round_bf16(float v) {
-    uint32_t u;
-    std::memcpy(&u, &v, 4);
-    u = (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;
-    std::memcpy(&v, &u, 4);
-    return v;
-}
-
-// out[m] = the id of row m's best over blocks 0 .. nblocks - 1 (bval / bidx [nblocks][rows]), merged
-// in block order: a later block wins only when strictly greater (the lowest id among equal maxima)
-static inline void merge_blocks(const std::vector<float>& bval, const std::vector<int64_t>& bidx, int64_t nblocks,
-                                int64_t rows, int64_t* out) {
-    for (int64_t m = 0; m < rows; ++m) {
-        float best = -INFINITY;
-        int64_t arg = 0;
-        for (int64_t b = 0; b < nblocks; ++b)
-            if (bval[b * rows + m] > best) best = bval[b * rows + m], arg = bidx[b * rows + m];
-        out[m] = arg;
-    }
 }
 
 // argmax over o of bf16(x[m] . w[o]) for each of MT rows, lowest o on ties, without storing
@@ -270,28 +302,6 @@ static void rows_argmax(const uint16_t* x, const uint16_t* w, int64_t* out, int6
     merge_blocks(bval, bidx, nblocks, MT, out);
 }
 
-// f(std::integral_constant<int, n>{}) for n in 1 .. kMaxRows: the row count as a template argument
-template <typename F>
-static void by_rows(int64_t n, F&& f) {
-    switch (n) {
-        case 1: f(std::integral_constant<int, 1>{}); break;
-        case 2: f(std::integral_constant<int, 2>{}); break;
-        case 3: f(std::integral_constant<int, 3>{}); break;
-        case 4: f(std::integral_constant<int, 4>{}); break;
-        case 5: f(std::integral_constant<int, 5>{}); break;
-        case 6: f(std::integral_constant<int, 6>{}); break;
-        case 7: f(std::integral_constant<int, 7>{}); break;
-        case 8: f(std::integral_constant<int, 8>{}); break;
-        case 9: f(std::integral_constant<int, 9>{}); break;
-        case 10: f(std::integral_constant<int, 10>{}); break;
-        case 11: f(std::integral_constant<int, 11>{}); break;
-        case 12: f(std::integral_constant<int, 12>{}); break;
-        case 13: f(std::integral_constant<int, 13>{}); break;
-        case 14: f(std::integral_constant<int, 14>{}); break;
-        case 15: f(std::integral_constant<int, 15>{}); break;
-        default: f(std::integral_constant<int, 16>{}); break;
-    }
-}
 
 template <typename T>
 static void passes(const uint16_t* xp, const uint16_t* wp, T* yp, int64_t M, int64_t K, int64_t O) {

@@ -134,8 +134,6 @@ def test_a_verified_chain_gives_each_token_the_bits_of_one_token_steps(backend):
     # 2-5) gets exactly what a one-token step gives it: every matmul row, norm and attention query
     # (it sees extra masked keys: T = L + n, not L + 1). Any dependence on n flips bf16 near-ties.
     # Session 39 (MT-bench, 270M): the softmax's scalar tail moved with T and broke greedy equality.
-    if backend == "avx2":  # its linear kernel sums a row in another order for 1 row than for 2-5 (README)
-        pytest.xfail("the AVX2 linear kernel is not row-width invariant")
     if backend == "amx":  # 1 row: the AVX-512 path; 2-16: AMX tiles, another order
         pytest.xfail("the AMX tiles sum in another order than the one-row path")
     target = _bf16_gemma(backend, hidden_size=128)

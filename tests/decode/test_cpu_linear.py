@@ -124,7 +124,8 @@ def test_packed_kernel_gives_a_row_the_same_bits_however_many_rows_share_the_cal
 @pytest.mark.parametrize("backend", PACKING)
 def test_install_packs_what_fits_its_panels_and_follows_changes_to_the_weight(backend):
     # A head of 320 outputs packs (5 panels); one of 300 does not (the row-streaming kernel). The
-    # packed head serves decode steps up to PACKED_MAX_ROWS rows, PyTorch's matmul beyond; an in-place
+    # packed head serves decode steps up to PACKED_MAX_ROWS rows, PyTorch's matmul beyond (the chunked
+    # AVX2 kernel on avx2); an in-place
     # change of the weight is what the next call computes with (packed again), and uninstall restores.
     ext = cpu_linear.KERNELS[backend].load()
     target = tiny_target("llama", dtype=torch.bfloat16, vocab_size=320)
@@ -138,8 +139,11 @@ def test_install_packs_what_fits_its_panels_and_follows_changes_to_the_weight(ba
         got = [head(x) for x in xs]
         for x, y in zip(xs[:3], got[:3]):
             assert torch.equal(y, ext.packed_linear_bf16(x, cpu_linear.pack(head.weight)))
-        assert torch.equal(got[3], before[3])  # more rows: PyTorch's matmul
-        assert cpu_linear.routes(head, cpu_linear.PACKED_MAX_ROWS) and not cpu_linear.routes(head, 1000)
+        if cpu_linear.KERNELS[backend].chunked:  # more rows: the AVX2 kernel in chunks (prefill), unpacked
+            assert torch.equal(got[3], cpu_linear.bf16_linear(xs[3], head.weight, backend=backend))
+        else:  # more rows: PyTorch's matmul
+            assert torch.equal(got[3], before[3]) and not cpu_linear.routes(head, 1000)
+        assert cpu_linear.routes(head, cpu_linear.PACKED_MAX_ROWS)
         ids = cpu_linear.head_argmax(head, xs[1][0])
         assert torch.equal(ids, got[1][0].float().argmax(-1))
         head.weight.mul_(-1)  # in place: the version counter moves
@@ -170,7 +174,8 @@ def test_weights_are_packed_only_within_the_memory_budget_and_setup_says_which(b
         line = cpu_linear.setup(target, backend)
         try:
             assert ("not packed" in line) != packed and ("64-output panels" in line) == packed
-            assert cpu_linear.routes(target.lm_head, 40) == packed  # the packed kernel serves up to 64 rows
+            # the packed kernel serves up to 64 rows (the chunked AVX2 kernel serves any, packed or not)
+            assert cpu_linear.routes(target.lm_head, 40) == (packed or cpu_linear.KERNELS[backend].chunked)
             with torch.inference_mode():
                 want = (cpu_linear.KERNELS[backend].load().packed_linear_bf16(x, cpu_linear.pack(target.lm_head.weight))
                         if packed else cpu_linear.bf16_linear(x, target.lm_head.weight, backend=backend))
