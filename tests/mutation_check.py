@@ -49,6 +49,8 @@ class Mutant:
     replace: str
     tests: tuple[str, ...]
     why: str = ""
+    #: pytest `-k` expression narrowing `tests` (a kernel source both CPU backends compile: test one, build one)
+    only: str = ""
 
 
 MUTANTS: list[Mutant] = [
@@ -224,11 +226,11 @@ MUTANTS: list[Mutant] = [
            "for c in x.split(self.max_rows)[:-1]]",
            ("tests/decode/test_cpu_linear.py::test_kernel_sums_exactly_what_a_float64_matmul_sums",),
            "inputs beyond 64 rows (prefill, big batches) run through the AVX2 kernel in chunks; every chunk counts"),
-    Mutant("avx2-argmax-later-block-wins-ties", "decode/kernels/cpu_linear_avx2_src.py",
-           "if (bval[m * nblocks + b] > best)",
-           "if (bval[m * nblocks + b] >= best)",
+    Mutant("argmax-later-block-wins-ties", "decode/kernels/cpu_linear_src.py",
+           "if (bval[b * rows + m] > best)",
+           "if (bval[b * rows + m] >= best)",
            ("tests/decode/test_cpu_linear.py::test_avx2_argmax_epilogue_picks_what_rounding_to_bf16_then_argmax_picks",),
-           "greedy ids from the AVX2 head are the first maximum of the bf16 logits, across vocab blocks too"),
+           "greedy ids are the first maximum of the bf16 logits across vocab blocks too (every kernel's block merge)"),
     Mutant("avx2-bf16-path-chunks-overwrite-each-other", "decode/kernels/cpu_linear_avx2_src.py",
            "uint16_t* out = yp + m0 * O;",
            "uint16_t* out = yp + m0;",
@@ -278,21 +280,30 @@ MUTANTS: list[Mutant] = [
            "for (int64_t p0 = 0; p0 < Kp; p0 += kPairChunk) {",
            "for (int64_t p0 = 0; p0 + kPairChunk < Kp; p0 += kPairChunk) {",
            ("tests/decode/test_cpu_linear.py::test_packed_kernel_sums_exactly_and_rounds_once",),
-           "7-16 rows run over chunks of 64 pairs of K: every chunk is part of the sum"),
+           "7-16 rows run over chunks of 64 pairs of K: every chunk is part of the sum",
+           only="avx2"),
     Mutant("packed-restarts-the-sums-each-chunk", "decode/kernels/cpu_linear_packed_src.py",
-           "acc[i] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(buf + 16 * i);",
-           "acc[i] = _mm512_setzero_ps();",
+           "acc[g * R + c] = first ? pacc_zero() : pacc_load(b);",
+           "acc[g * R + c] = pacc_zero();",
            ("tests/decode/test_cpu_linear.py::test_packed_kernel_sums_exactly_and_rounds_once",),
-           "a group's sums carry from one chunk of K to the next through the fp32 buffer"),
-    Mutant("packed-skips-the-last-three-rows", "decode/kernels/cpu_linear_packed_src.py",
-           "if constexpr (MT % 4 == 3) panel_group<3>", "if constexpr (MT % 4 == 7) panel_group<3>",
+           "a group's sums carry from one chunk of K to the next through the fp32 buffer",
+           only="avx2"),
+    Mutant("packed-skips-a-lone-last-row", "decode/kernels/cpu_linear_packed_src.py",
+           "if constexpr (MT % kGroup != 0)", "if constexpr (MT % kGroup > 1)",
            ("tests/decode/test_cpu_linear.py::test_packed_kernel_sums_exactly_and_rounds_once",),
-           "rows beyond the groups of 4 (7, 11, 15 rows) get their own group"),
+           "a row left after the full groups (9 rows on AVX-512's groups of 4, 4 on AVX2's of 3) gets its own group",
+           only="avx2"),
+    Mutant("packed-avx2-second-slice-reads-the-first", "decode/kernels/cpu_linear_packed_src.py",
+           "const uint16_t* wp = panel + p * 128 + s * 16 * R;", "const uint16_t* wp = panel + p * 128;",
+           ("tests/decode/test_cpu_linear.py::test_packed_kernel_sums_exactly_and_rounds_once",),
+           "AVX2 reads a 64-output panel as two slices of 32 for 2+ rows: outputs 32-63 come from the second",
+           only="avx2"),
     Mutant("packed-argmax-ties-pick-the-later-id", "decode/kernels/cpu_linear_packed_src.py",
            "if (v > best[m]) best[m] = v, arg[m] = n * kPanel + j;",
            "if (v >= best[m]) best[m] = v, arg[m] = n * kPanel + j;",
            ("tests/decode/test_cpu_linear.py::test_fused_head_argmax_gives_the_ids_of_the_heads_own_bf16_logits",),
-           "greedy ids are the first maximum of the bf16 logits, as argmax over the head's own logits"),
+           "greedy ids are the first maximum of the bf16 logits, as argmax over the head's own logits",
+           only="avx2"),
     Mutant("packed-copy-never-refreshed", "decode/kernels/cpu_layers.py",
            "        if key != self._key:\n            self._packed = None",
            "        if self._packed is None:\n            self._packed = None",
@@ -462,13 +473,23 @@ def make_copy(root: Path, dest: Path) -> Path:
     return src
 
 
-def run_tests(src: Path, tests: tuple[str, ...], timeout: float) -> tuple[int, str]:
+#: files whose mutants change C++ that torch compiles (`load_inline` sources), not Python
+COMPILED = ("_src.py", "decode/kernels/cpu_verify.py")
+
+
+def run_tests(src: Path, tests: tuple[str, ...], timeout: float, extensions: Path | None = None,
+              only: str = "") -> tuple[int, str]:
     env = dict(os.environ, PYTHONPATH=str(src) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    # Each copy builds the C++ kernels in its own folder: two jobs compiling different (mutated)
-    # sources under one extension name in a shared cache can load each other's build (session 22:
-    # a kernel-source mutant "survived" that way beside another kernel mutant).
-    env["TORCH_EXTENSIONS_DIR"] = str(src.parent / "torch_extensions")
+    # The C++ kernels load from `extensions`, else from torch's own extension folder (the unmutated
+    # builds the fast tier just made and loaded: a mutant that loads a kernel compiles nothing). A
+    # mutant of C++ gets a folder of its own: two jobs compiling different (mutated) sources under one
+    # extension name in one folder can load each other's build (session 22: a kernel-source mutant
+    # "survived" that way beside another kernel mutant).
+    if extensions is not None:
+        env["TORCH_EXTENSIONS_DIR"] = str(extensions)
     cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "--no-header", *tests]
+    if only:
+        cmd += ["-k", only]
     try:
         out = subprocess.run(cmd, cwd=src, env=env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -488,6 +509,19 @@ def check_imports_copy(src: Path) -> None:
                  "as a regular (non-editable) package? Use `pip install -e .`")
 
 
+def prebuild(src: Path) -> None:
+    """Builds every C++ kernel this CPU runs from the unmutated copy at src into torch's extension
+    folder, two at a time, before any mutant runs (after the fast tier they are built already: seconds)."""
+    env = dict(os.environ, PYTHONPATH=str(src))
+    code = ("from drafttrain.decode.kernels import cpu_linear, cpu_verify\n"
+            "names = [k for k in cpu_linear.KERNELS if cpu_linear.available(k)]\n"
+            "for k in names[{part}::2]:\n    cpu_linear.KERNELS[k].load()\n"
+            "if {part} == 1 and cpu_verify.available():\n    cpu_verify.load()\n")
+    procs = [subprocess.Popen([sys.executable, "-c", code.format(part=i)], cwd=src, env=env) for i in (0, 1)]
+    if any(p.wait() != 0 for p in procs):
+        sys.exit("mutation check: building the unmutated kernels failed (see above)")
+
+
 def _run_mutant(src: Path, m: Mutant, timeout: float) -> tuple[str, str]:
     """Applies one mutant to the copy at src, runs its tests, restores the file: (verdict, detail)."""
     path = src / m.file
@@ -496,10 +530,20 @@ def _run_mutant(src: Path, m: Mutant, timeout: float) -> tuple[str, str]:
     if n != 1:
         return "NOT APPLIED", f"find text occurs {n} times in {m.file}; update the mutant"
     path.write_text(text.replace(m.find, m.replace))
+    # A mutant of compiled C++ builds in a folder of its own, dropped after it: torch's folder keeps
+    # the unmutated builds (`prebuild`), which every other mutant loads without compiling.
+    # torch rebuilds an extension whenever its source changed (~45-60 s on a 2-core CPU, most of it
+    # torch's and pybind11's headers), so before session 40 each kernel mutant cost two builds in
+    # its copy (the mutant, then the restored source) and each copy built every kernel once more.
+    scratch = src.parent / "torch_extensions_mutant" if m.file.endswith(COMPILED) else None
+    if scratch is not None:
+        shutil.rmtree(scratch, ignore_errors=True)
     try:
-        rc, last = run_tests(src, m.tests, timeout)
+        rc, last = run_tests(src, m.tests, timeout, scratch, m.only)
     finally:
         path.write_text(text)
+        if scratch is not None:
+            shutil.rmtree(scratch, ignore_errors=True)
     return ("KILLED" if rc == 1 else "SURVIVED" if rc == 0 else "ERROR"), last
 
 
@@ -538,6 +582,9 @@ def main(argv: list[str] | None = None) -> int:
         copies = [make_copy(ROOT, Path(tmp) / f"copy{i}") for i in range(jobs)]
         for src in copies:
             check_imports_copy(src)
+        t1 = time.monotonic()
+        prebuild(copies[0])
+        print(f"unmutated kernels built (or found built) for every copy in {time.monotonic() - t1:.0f} s", flush=True)
         every = tuple(dict.fromkeys(t for m in chosen for t in m.tests))
         rc, last = (0, "skipped (--no-baseline)") if args.no_baseline else _baseline(copies, every, args.timeout)
         print(f"baseline (unmutated copies, {len(every)} test selections): {'passed' if rc == 0 else 'FAILED'}"
