@@ -324,6 +324,16 @@ MUTANTS: list[Mutant] = [
            "(_mm512_reduce_add_ps(_mm512_add_ps(acc[m][0], acc[m][1])) - 191.0f * xsum[m]) * s[o]",
            ("tests/decode/test_q7_weights.py::test_the_7bit_kernel_sums_what_the_codes_say_and_rounds_once",),
            "a 7-bit weight u stands for q = u - 64 through the bf16 of 128 + u: 192 sum(x) comes off"),
+    Mutant("kernel-build-rewrites-every-unit", "decode/kernels/build.py",
+           "    if not path.exists() or path.read_text() != text:",
+           "    if True:",
+           ("tests/decode/test_kernel_build.py",),
+           "an unchanged unit keeps its time stamp, so a kernel edit recompiles the kernels unit alone"),
+    Mutant("kernel-build-keeps-a-stale-unit", "decode/kernels/build.py",
+           "    if not path.exists() or path.read_text() != text:",
+           "    if not path.exists():",
+           ("tests/decode/test_kernel_build.py",),
+           "an edited kernel must be compiled again, never an earlier build loaded"),
     Mutant("q7-quantizes-the-feature-fc", "decode/kernels/cpu_linear.py",
            'KEEP_BF16 = ("fc",)', "KEEP_BF16 = ()",
            ("tests/decode/test_q7_weights.py::test_a_quantised_drafter_moves_every_own_linear_and_never_the_targets",),
@@ -482,9 +492,9 @@ def run_tests(src: Path, tests: tuple[str, ...], timeout: float, extensions: Pat
     env = dict(os.environ, PYTHONPATH=str(src) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     # The C++ kernels load from `extensions`, else from torch's own extension folder (the unmutated
     # builds the fast tier just made and loaded: a mutant that loads a kernel compiles nothing). A
-    # mutant of C++ gets a folder of its own: two jobs compiling different (mutated) sources under one
-    # extension name in one folder can load each other's build (session 22: a kernel-source mutant
-    # "survived" that way beside another kernel mutant).
+    # mutant of C++ builds in its copy's folder: two jobs compiling different (mutated) sources under
+    # one extension name in one folder can load each other's build (session 22: a kernel-source
+    # mutant "survived" that way beside another kernel mutant); a copy runs one mutant at a time.
     if extensions is not None:
         env["TORCH_EXTENSIONS_DIR"] = str(extensions)
     cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "--no-header", *tests]
@@ -530,20 +540,18 @@ def _run_mutant(src: Path, m: Mutant, timeout: float) -> tuple[str, str]:
     if n != 1:
         return "NOT APPLIED", f"find text occurs {n} times in {m.file}; update the mutant"
     path.write_text(text.replace(m.find, m.replace))
-    # A mutant of compiled C++ builds in a folder of its own, dropped after it: torch's folder keeps
-    # the unmutated builds (`prebuild`), which every other mutant loads without compiling.
-    # torch rebuilds an extension whenever its source changed (~45-60 s on a 2-core CPU, most of it
-    # torch's and pybind11's headers), so before session 40 each kernel mutant cost two builds in
-    # its copy (the mutant, then the restored source) and each copy built every kernel once more.
+    # A mutant of compiled C++ builds in its copy's own folder: torch's folder keeps the unmutated
+    # builds (`prebuild`), which every other mutant loads without compiling. Each extension is two
+    # units (`build.load_kernels`) that ninja recompiles only when their text changed, so a kernel
+    # mutant recompiles the kernels unit (~15-20 s on a 2-core CPU) and reuses the copy's bindings
+    # unit from its earlier mutants; any kernel it loads whose text differs from the folder's last
+    # build (the restored source after another mutant) is rebuilt the same way. Before session 40
+    # each kernel mutant cost two whole builds (~45-60 s each) in its copy.
     scratch = src.parent / "torch_extensions_mutant" if m.file.endswith(COMPILED) else None
-    if scratch is not None:
-        shutil.rmtree(scratch, ignore_errors=True)
     try:
         rc, last = run_tests(src, m.tests, timeout, scratch, m.only)
     finally:
         path.write_text(text)
-        if scratch is not None:
-            shutil.rmtree(scratch, ignore_errors=True)
     return ("KILLED" if rc == 1 else "SURVIVED" if rc == 0 else "ERROR"), last
 
 

@@ -370,15 +370,31 @@ torch::Tensor eagle3_layer(torch::Tensor e, torch::Tensor f, std::vector<torch::
     for (int64_t m = 0; m < M; ++m) silu_gate(gup + m * 2 * I, gup + m * 2 * I + I, ap + m * I, I);
     return add_bf16(h1, project(act, w, q, 3, chunk)).view(e.sizes());
 }
+
+// the attention's exp and sum of one fp32 score row, as `exp_shifted` computes them (for the tests)
+std::tuple<torch::Tensor, double> softmax_exp(torch::Tensor s, double mx) {
+    auto e = s.to(torch::kFloat32).contiguous().clone();
+    const float total = exp_shifted(e.data_ptr<float>(), e.numel(), float(mx));
+    return std::make_tuple(e, double(total));
+}
 """
 
+#: the bound functions' declarations and `m.def` lines (in the backend's bindings unit)
+LAYER_DECLS = r"""
+torch::Tensor gemma3_layer(torch::Tensor h, std::vector<torch::Tensor> w, std::vector<torch::Tensor> s,
+                           torch::Tensor kbuf, torch::Tensor vbuf, int64_t L, torch::Tensor cos, torch::Tensor sin,
+                           torch::Tensor mask, int64_t Hq, int64_t Hkv, int64_t hd, double eps, double scaling,
+                           int64_t chunk);
+torch::Tensor eagle3_layer(torch::Tensor e, torch::Tensor f, std::vector<torch::Tensor> w, std::vector<torch::Tensor> q,
+                           std::vector<torch::Tensor> s, torch::Tensor kbuf, torch::Tensor vbuf, int64_t L,
+                           torch::Tensor cos, torch::Tensor sin, torch::Tensor mask, int64_t Hq, int64_t Hkv,
+                           int64_t hd, double eps, double scaling, int64_t chunk);
+std::tuple<torch::Tensor, double> softmax_exp(torch::Tensor s, double mx);
+"""
 LAYER_BINDINGS = r"""
     m.def("gemma3_layer", &gemma3_layer, "one Gemma 3 decoder layer for a decode step (bf16)");
     m.def("eagle3_layer", &eagle3_layer, "one EAGLE-3 drafter layer for a draft step (bf16)");
-    m.def("softmax_exp", [](torch::Tensor s, double mx) {  // the attention's exp and sum of one score row (tests)
-        auto e = s.to(torch::kFloat32).contiguous().clone();
-        const float total = exp_shifted(e.data_ptr<float>(), e.numel(), float(mx));
-        return std::make_tuple(e, total);
-    }, "exp(s - mx) of fp32 scores s [T] and their sum, as the fused attention computes them");
+    m.def("softmax_exp", &softmax_exp,
+          "exp(s - mx) of fp32 scores s [T] and their sum, as the fused attention computes them");
 """
 

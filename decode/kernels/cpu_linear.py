@@ -14,8 +14,8 @@ layers (200 MB) 35 ms where the AVX-512 kernel here takes 19 ms (`bench/decode_p
 What: `bf16_linear(x, w, bias)` computes ``x @ w.T (+ bias)`` for bf16 ``w`` and a few rows of
 ``x``, reading each weight row once for all rows and summing in fp32. Three small C++ extensions
 (sources in `cpu_linear_src`; `at::parallel_for` over weight rows, so `torch.set_num_threads`
-holds), each compiled once per machine by `torch.utils.cpp_extension` into its cache (~1 min;
-`TORCH_EXTENSIONS_DIR`):
+holds), each compiled once per machine by `torch.utils.cpp_extension` into its cache
+(`TORCH_EXTENSIONS_DIR`) as a kernels unit and a bindings unit (`build.load_kernels`; ~25 s):
 
 - ``avx2``: bf16 → fp32 in registers (a 16-bit shift), fp32 FMAs; up to 6 rows in one tile, so
   each weight is widened once per step for verification widths up to 6 (session 20, Zen 2, Gemma 3
@@ -101,7 +101,7 @@ from drafttrain.decode.kernels import cpu_linear_amx_src as _amx_src
 from drafttrain.decode.kernels import cpu_linear_avx2_src as _avx2_src
 from drafttrain.decode.kernels import cpu_linear_packed_src as _packed_src
 from drafttrain.decode.kernels import cpu_linear_src as _src
-from drafttrain.decode.kernels.build import build_lock
+from drafttrain.decode.kernels.build import build_lock, load_kernels
 from drafttrain.decode.kernels.packing import pack, pack_budget, packable, packed_bytes
 
 __all__ = ["KERNELS", "build_lock", "head_argmax", "routes", "BACKENDS", "available", "bf16_linear", "install", "installed_backend", "setup", "is_installed", "paused", "routed_norms",
@@ -116,11 +116,12 @@ _DRAFT_ATTR = "_drafttrain_draft_weights"
 
 
 class _Kernel:
-    """One compiled kernel: its source, the CPU flags it needs and the rows it serves."""
+    """One compiled kernel: its C++ (kernels; bindings: declarations, `m.def` lines), the CPU flags it needs and the rows it serves."""
 
-    def __init__(self, name: str, source: str, flags: set[str], cflags: list[str], rows: tuple[int, int],
-                 chunked: bool = False):
-        self.name, self.source, self.flags, self.cflags = name, source, flags, cflags
+    def __init__(self, name: str, kernels: str, bindings: tuple[str, str], flags: set[str], cflags: list[str],
+                 rows: tuple[int, int], chunked: bool = False):
+        self.name, self.kernels, self.bindings, self.flags, self.cflags = name, kernels, bindings, flags, cflags
+        self.source = kernels + "".join(bindings)  # what the build depends on (the cost profile's key)
         self.min_rows, self.max_rows = rows
         self.chunked = chunked  # inputs of more than max_rows rows run in chunks of max_rows (prefill)
         self._ext = None
@@ -132,13 +133,7 @@ class _Kernel:
     def load(self):
         with _lock:
             if self._ext is None:
-                from torch.utils.cpp_extension import load_inline
-
-                name = f"drafttrain_bf16_linear_{self.name}"
-                with build_lock(name):
-                    self._ext = load_inline(name=name, cpp_sources=[self.source],
-                                            functions=None, extra_cflags=["-O3", *self.cflags, "-fopenmp"],
-                                            extra_ldflags=["-fopenmp"], verbose=False)
+                self._ext = load_kernels(f"drafttrain_bf16_linear_{self.name}", self.kernels, *self.bindings, self.cflags)
             return self._ext
 
     def _amx_fits(self, flat: Tensor, w: Tensor) -> bool:
@@ -185,18 +180,21 @@ PACKED_MAX_ROWS = cpu_layers.MAX_ROWS
 #: the chunked avx2 kernel: PyTorch's bf16 matmul on AVX2 is slower than it at every row count)
 KERNELS = {
     "avx2": _Kernel("avx2", _src.NORM_SOURCE + _src.COMMON_SOURCE + _avx2_src.AVX2_SOURCE + _packed_src.PACKED_AVX2_SOURCE
-                    + _avx2_src.AVX2_LAYER_LINEAR + _layer_src.LAYER_SOURCE + _avx2_src.AVX2_BINDINGS
-                    + _packed_src.PACKED_BINDINGS + _layer_src.LAYER_BINDINGS + "}\n", {"avx2", "fma"}, ["-mavx2", "-mfma"], (1, 64),
-                    chunked=True),
+                    + _avx2_src.AVX2_LAYER_LINEAR + _layer_src.LAYER_SOURCE,
+                    (_avx2_src.AVX2_DECLS + _packed_src.PACKED_DECLS + _layer_src.LAYER_DECLS,
+                     _avx2_src.AVX2_BINDINGS + _packed_src.PACKED_BINDINGS + _layer_src.LAYER_BINDINGS),
+                    {"avx2", "fma"}, ["-mavx2", "-mfma"], (1, 64), chunked=True),
     # the AVX-512 extensions also hold the fused layers (cpu_layer_src), over their own `layer_linear`
     "avx512": _Kernel("avx512", _src.NORM_SOURCE + _src.COMMON_SOURCE + _src.AVX512_SOURCE + _src.Q7_SOURCE + _packed_src.PACKED_SOURCE
-                      + _avx2_src.AVX2_HELPERS + _src.avx512_layer_linear(False) + _layer_src.LAYER_SOURCE
-                      + _src.AVX512_BINDINGS + _packed_src.PACKED_BINDINGS + _layer_src.LAYER_BINDINGS + "}\n",
+                      + _avx2_src.AVX2_HELPERS + _src.avx512_layer_linear(False) + _layer_src.LAYER_SOURCE,
+                      (_src.AVX512_DECLS + _packed_src.PACKED_DECLS + _layer_src.LAYER_DECLS,
+                       _src.AVX512_BINDINGS + _packed_src.PACKED_BINDINGS + _layer_src.LAYER_BINDINGS),
                       {"avx512f", "avx512bw", "avx512_bf16", "avx2", "fma"},
                       ["-mavx512f", "-mavx512bw", "-mavx512bf16", "-mavx2", "-mfma"], (1, 16)),
     "amx": _Kernel("amx", _src.NORM_SOURCE + _src.COMMON_SOURCE + _src.AVX512_SOURCE + _src.Q7_SOURCE + _packed_src.PACKED_SOURCE + _amx_src.AMX_SOURCE
-                   + _avx2_src.AVX2_HELPERS + _src.avx512_layer_linear(True) + _layer_src.LAYER_SOURCE + _src.AVX512_BINDINGS
-                   + _packed_src.PACKED_BINDINGS + _amx_src.AMX_BINDINGS + _layer_src.LAYER_BINDINGS + "}\n",
+                   + _avx2_src.AVX2_HELPERS + _src.avx512_layer_linear(True) + _layer_src.LAYER_SOURCE,
+                   (_src.AVX512_DECLS + _packed_src.PACKED_DECLS + _amx_src.AMX_DECLS + _layer_src.LAYER_DECLS,
+                    _src.AVX512_BINDINGS + _packed_src.PACKED_BINDINGS + _amx_src.AMX_BINDINGS + _layer_src.LAYER_BINDINGS),
                    {"avx512f", "avx512bw", "avx512_bf16", "amx_tile", "amx_bf16", "avx2", "fma"},
                    ["-mavx512f", "-mavx512bw", "-mavx512bf16", "-mamx-tile", "-mamx-bf16", "-mavx2", "-mfma"], (1, 16)),
 }

@@ -136,7 +136,12 @@ torch::Tensor amx_linear_argmax(torch::Tensor x, torch::Tensor w) {
 
 """
 
-# The AMX extension's extra bindings, appended to AVX512_BINDINGS (left open: `cpu_linear` closes it).
+#: the AMX extension's extra bound functions and `m.def` lines (beside the AVX-512 ones)
+AMX_DECLS = r"""
+bool amx_available();
+torch::Tensor amx_linear(torch::Tensor x, torch::Tensor w);
+torch::Tensor amx_linear_argmax(torch::Tensor x, torch::Tensor w);
+"""
 AMX_BINDINGS = r"""
     m.def("amx_available", &amx_available, "whether Linux granted this process AMX tile state");
     m.def("amx_linear", &amx_linear, "AMX: x bf16 [M <= 16, K] @ w bf16 [O, K]^T -> fp32 [M, O]");

@@ -30,7 +30,6 @@ static inline float hsum(__m256 v) {
 """
 
 AVX2_SOURCE = AVX2_HELPERS + r"""
-#include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <vector>
@@ -204,7 +203,7 @@ torch::Tensor bf16_linear_bf16(torch::Tensor x, torch::Tensor w, int64_t chunk) 
 // 7-bit drafter weights are an AVX-512 bf16 kernel's (cpu_linear_src.Q7_SOURCE); `cpu_linear` never
 // hands them to this one, and the fused layer's `project` never calls this with kQ7Rows = 0
 constexpr int64_t kQ7Rows = 0;
-static torch::Tensor q7_linear_bf16(torch::Tensor, torch::Tensor, torch::Tensor) {
+torch::Tensor q7_linear_bf16(torch::Tensor, torch::Tensor, torch::Tensor) {
     TORCH_CHECK(false, "7-bit weights need the AVX-512 bf16 or AMX kernel");
     return {};
 }
@@ -252,9 +251,15 @@ static inline torch::Tensor layer_linear(torch::Tensor x, torch::Tensor w, int64
 }
 """
 
-# The module's bindings, left open: `cpu_linear` appends `cpu_layer_src.LAYER_BINDINGS` and the closing brace.
+#: the bound functions' declarations and `m.def` lines, for the bindings unit (`build.load_kernels`;
+#: `cpu_linear` adds the packed and fused-layer parts')
+AVX2_DECLS = r"""
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor scale, double eps, bool round_first);
+torch::Tensor bf16_linear_f32(torch::Tensor x, torch::Tensor w);
+torch::Tensor bf16_linear_bf16(torch::Tensor x, torch::Tensor w, int64_t chunk);
+torch::Tensor argmax_bf16_rounded(torch::Tensor y);
+"""
 AVX2_BINDINGS = r"""
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("rms_norm", &rms_norm, "RMS norm of bf16 rows [M, D] with an fp32 scale [D] -> bf16 [M, D]");
     m.def("bf16_linear_f32", &bf16_linear_f32, "x fp32 [M, K] @ w bf16 [O, K]^T -> fp32 [M, O]");
     m.def("bf16_linear_bf16", &bf16_linear_bf16, "x bf16 [..., K] @ w bf16 [O, K]^T -> bf16 [..., O], in chunks of rows");

@@ -250,6 +250,11 @@ static inline void slice_pairs(const PX* x, int64_t xs, const uint16_t* panel, i
 }
 """ + _PACKED_BODY
 
+#: the bound functions' declarations and `m.def` lines (in the backend's bindings unit)
+PACKED_DECLS = r"""
+torch::Tensor packed_linear_bf16(torch::Tensor x, torch::Tensor pk);
+torch::Tensor packed_linear_argmax(torch::Tensor x, torch::Tensor pk);
+"""
 PACKED_BINDINGS = r"""
     m.def("packed_linear_bf16", &packed_linear_bf16,
           "x bf16 [..., K] @ w^T -> bf16 [..., O], w packed bf16 [O / 64, K / 2, 64, 2] (any rows, passes of 16)");

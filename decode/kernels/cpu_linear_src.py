@@ -3,14 +3,14 @@
 Kept apart from the loader so each file reads on its own: ``NORM_SOURCE`` (RMS norms of bf16 rows) and ``COMMON_SOURCE`` (bf16 stores and rounding, the
 argmax block merge, the row count as a template argument), both compiled into every kernel, ``AVX512_SOURCE`` (``vdpbf16ps`` over one weight row at a time for 1-16 rows of x, the older tiles
 of four or two weight rows with a software prefetch behind `set_stream_rows(0)`, and the fused greedy
-head argmax), ``Q7_SOURCE`` (7-bit drafter weights), ``AVX512_BINDINGS`` (its Python bindings) and
+head argmax), ``Q7_SOURCE`` (7-bit drafter weights), ``AVX512_DECLS`` / ``AVX512_BINDINGS`` (the bound functions'
+declarations and `m.def` lines, for the bindings unit that `build.load_kernels` compiles apart) and
 `avx512_layer_linear` (the fused layers' projections). Every kernel sums exact bf16 products in
 fp32; `cpu_linear`'s docstring gives the numbers and the routing. The AVX2 kernel's source is in
 `cpu_linear_avx2_src`, the AMX tiles (appended to the AVX-512 source) in `cpu_linear_amx_src`.
 """
 
 NORM_SOURCE = r"""
-#include <torch/extension.h>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -131,7 +131,6 @@ static void by_rows(int64_t n, F&& f) {
 """
 
 AVX512_SOURCE = r"""
-#include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <algorithm>
@@ -217,6 +216,12 @@ static inline void stream_row(const uint16_t* x, const uint16_t* w, T* y, int64_
 // stays token for token the target's own, bf16 included). More than 8 rows run as groups of up to 8
 // against the same weight row, read again from L1 (2 x 16 accumulators would not fit the registers).
 static int64_t g_stream_rows = kMaxRows;
+
+int64_t set_stream_rows(int64_t n) {  // bound: inputs of up to n rows take `stream`; returns the old n
+    const int64_t old = g_stream_rows;
+    g_stream_rows = n;
+    return old;
+}
 
 template <int MT, typename T>
 static inline void stream(const uint16_t* x, const uint16_t* w, T* y, int64_t K, int64_t ys, int64_t o,
@@ -488,12 +493,22 @@ torch::Tensor q7_linear_bf16(torch::Tensor x, torch::Tensor u, torch::Tensor s) 
 }
 """
 
+#: the bound functions of NORM_SOURCE + AVX512_SOURCE + Q7_SOURCE, for the bindings unit (`build.load_kernels`)
+AVX512_DECLS = r"""
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor scale, double eps, bool round_first);
+torch::Tensor bf16_linear_bf16x(torch::Tensor x, torch::Tensor w);
+torch::Tensor bf16_linear_bf16(torch::Tensor x, torch::Tensor w);
+int64_t set_stream_rows(int64_t n);
+torch::Tensor bf16_linear_argmax(torch::Tensor x, torch::Tensor w);
+torch::Tensor q7_linear_bf16(torch::Tensor x, torch::Tensor u, torch::Tensor s);
+"""
+
+#: their `m.def` lines (the module's body; `cpu_linear` adds the other parts' and builds the module)
 AVX512_BINDINGS = r"""
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("rms_norm", &rms_norm, "RMS norm of bf16 rows [M, D] with an fp32 scale [D] -> bf16 [M, D]");
     m.def("bf16_linear_bf16x", &bf16_linear_bf16x, "x bf16 [M, K] @ w bf16 [O, K]^T -> fp32 [M, O]");
     m.def("bf16_linear_bf16", &bf16_linear_bf16, "x bf16 [..., K] @ w bf16 [O, K]^T -> bf16 [..., O]");
-    m.def("set_stream_rows", [](int64_t n) { const int64_t old = g_stream_rows; g_stream_rows = n; return old; },
+    m.def("set_stream_rows", &set_stream_rows,
           "inputs of up to n rows read one weight row at a time (0: the weight-row tiles for all); returns the old n");
     m.def("bf16_linear_argmax", &bf16_linear_argmax, "argmax_o bf16(x bf16 [M, K] @ w bf16 [O, K]^T) -> int64 [M]");
     m.def("q7_linear_bf16", &q7_linear_bf16, "x bf16 [..., K] (<= 8 rows) @ ((u uint8 [O, K] - 64) * s fp32 [O])^T -> bf16 [..., O]");

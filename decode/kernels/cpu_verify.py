@@ -41,8 +41,6 @@ from drafttrain.decode.sampling import check_logits
 __all__ = ["available", "load", "sampled_chain"]
 
 SOURCE = r"""
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <cmath>
 #include <algorithm>
@@ -349,11 +347,14 @@ torch::Tensor sampled_chain(torch::Tensor logits, torch::Tensor drafts, torch::T
     else run_rows<uint16_t, uint16_t>(logits, drafts, q, has_q, ids, temperature, u_accept, u_emit, n, t);
     return out;
 }
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-    m.def("sampled_chain", &sampled_chain, "sampled chain verification (drafttrain.decode.kernels.cpu_verify)");
-}
 """
+
+#: the bindings unit's declaration and `m.def` line (`build.load_kernels` compiles it apart)
+BINDINGS = ("""
+torch::Tensor sampled_chain(torch::Tensor logits, torch::Tensor drafts, torch::Tensor q, torch::Tensor ids,
+                            double temperature, torch::Tensor u_accept, torch::Tensor u_emit);
+""", """    m.def("sampled_chain", &sampled_chain, "sampled chain verification (drafttrain.decode.kernels.cpu_verify)");
+""")
 
 _lock = threading.Lock()
 _ext = None
@@ -373,14 +374,9 @@ def load():
     global _ext
     with _lock:
         if _ext is None:
-            from torch.utils.cpp_extension import load_inline
+            from drafttrain.decode.kernels.build import load_kernels
 
-            from drafttrain.decode.kernels.cpu_linear import build_lock
-
-            with build_lock(_NAME):
-                _ext = load_inline(name=_NAME, cpp_sources=[SOURCE], functions=None,
-                                   extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"],
-                                   extra_ldflags=["-fopenmp"], verbose=False)
+            _ext = load_kernels(_NAME, SOURCE, *BINDINGS, ["-mavx2", "-mfma"])
         return _ext
 
 
