@@ -8,7 +8,7 @@ folder, applies the edit there (never to your checkout), runs the listed tests a
 and reports KILLED (a test failed: good) or SURVIVED (every test passed: the suite is blind to
 that bug). It first runs all listed tests on the unmutated copy, which must pass.
 
-    python tests/mutation_check.py              # every mutant, two at a time, ~12 min on a 2-core CPU
+    python tests/mutation_check.py              # every mutant, two at a time, ~8 min on a 2-core CPU
     python tests/mutation_check.py --list       # names only
     python tests/mutation_check.py eagle3-step-weight temperature-squared
 
